@@ -1,0 +1,46 @@
+"""Compressed MLA KV cache: per token per layer the normed latent c_kv and the rotated k_pe.
+
+That is kv_lora_rank + qk_rope_head_dim values (576 for DeepSeek-V3) instead of the expanded
+heads x (qk_head_dim + v_head_dim). Entries are addressed by absolute position, so rolling back a
+row is just moving its position: stale entries beyond it are masked out and later overwritten.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.config import ModelConfig
+
+
+@flax.struct.dataclass
+class MLACache:
+    """c_kv: [..., B, S, kv_lora_rank]; k_pe: [..., B, S, qk_rope_head_dim] (leading dim = layers when stacked)."""
+
+    c_kv: jax.Array
+    k_pe: jax.Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, num_layers: int, batch: int, max_len: int, dtype=jnp.float32) -> "MLACache":
+        shape = (num_layers, batch, max_len)
+        return cls(c_kv=jnp.zeros(shape + (config.kv_lora_rank,), dtype),
+                   k_pe=jnp.zeros(shape + (config.qk_rope_head_dim,), dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.c_kv.shape[-2]
+
+    def write(self, positions: jax.Array, c_kv: jax.Array, k_pe: jax.Array) -> "MLACache":
+        """Stores one layer's new entries at their positions.
+
+        Args:
+          positions: [B, T] absolute positions; positions >= max_len are dropped.
+          c_kv: [B, T, C]; k_pe: [B, T, R].
+        """
+        rows = jnp.arange(positions.shape[0])[:, None]
+        return MLACache(c_kv=self.c_kv.at[rows, positions].set(c_kv.astype(self.c_kv.dtype), mode="drop"),
+                        k_pe=self.k_pe.at[rows, positions].set(k_pe.astype(self.k_pe.dtype), mode="drop"))
+
+
+def bytes_per_token(config: ModelConfig, dtype=jnp.bfloat16) -> int:
+    """Cache bytes per token per layer: (kv_lora_rank + qk_rope_head_dim) x dtype size."""
+    return config.cache_width * jnp.dtype(dtype).itemsize

@@ -1,0 +1,100 @@
+"""Multi-head Latent Attention over a compressed (c_kv, k_pe) sequence.
+
+Two mathematically identical forms:
+- expanded (prefill): K/V per head are rebuilt from c_kv with kv_b_proj, then ordinary attention;
+- absorbed (decode): kv_b_proj's key half is folded into the query and its value half applied after
+  attending, so attention runs directly on the 512-wide latent and nothing per-head is materialised
+  per cached token.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.cache import MLACache
+from jaxmtp.config import ModelConfig
+from jaxmtp.layers import Dtype, Linear, RMSNorm
+from jaxmtp.rope import apply_rope
+
+
+class MLA(nn.Module):
+    """Args of __call__:
+      x: [B, T, D] normed input; positions: [B, T] absolute positions.
+      cache: one layer's MLACache ([B, S, ...]) or None. With a cache, the new entries are written at
+        `positions` and attention reads the whole cache, masked to key position <= query position.
+        Without one, the T tokens attend causally among themselves.
+    Returns: ([B, T, D] output, updated cache or None).
+    """
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+    absorbed: bool = False
+
+    def setup(self):
+        c, D, H = self.config, self.config.hidden_size, self.config.num_attention_heads
+        lin = lambda i, o, axes: Linear(i, o, axes, self.dtype, c.initializer_range)  # noqa: E731
+        if c.q_lora_rank is None:
+            self.q_proj = lin(D, H * c.qk_head_dim, ("heads", "embed"))
+        else:
+            self.q_a_proj = lin(D, c.q_lora_rank, ("q_lora", "embed"))
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, self.dtype)
+            self.q_b_proj = lin(c.q_lora_rank, H * c.qk_head_dim, ("heads", "q_lora"))
+        self.kv_a_proj_with_mqa = lin(D, c.cache_width, ("kv_lora", "embed"))
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, self.dtype)
+        self.kv_b_proj = lin(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), ("heads", "kv_lora"))
+        self.o_proj = lin(H * c.v_head_dim, D, ("embed", "heads"))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: MLACache | None = None):
+        q_nope, q_pe = self.queries(x, positions)
+        c_kv, k_pe = self.compress(x, positions)
+        if cache is None:
+            key_positions = positions
+        else:
+            cache = cache.write(positions, c_kv, k_pe)
+            c_kv, k_pe = cache.c_kv.astype(x.dtype), cache.k_pe.astype(x.dtype)
+            key_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (x.shape[0], cache.max_len))
+        mask = key_positions[:, None, :] <= positions[:, :, None]  # [B, T, S]
+        attend = self.attend_absorbed if self.absorbed else self.attend_expanded
+        out = attend(q_nope, q_pe, c_kv, k_pe, mask)  # [B, T, H, V]
+        return self.o_proj(out.reshape(out.shape[:2] + (-1,))), cache
+
+    def queries(self, x, positions):
+        """-> q_nope [B, T, H, N], q_pe [B, T, H, R] (rotated)."""
+        c = self.config
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(q.shape[:2] + (c.num_attention_heads, c.qk_head_dim))
+        q_nope, q_pe = jnp.split(q, [c.qk_nope_head_dim], axis=-1)
+        return q_nope, apply_rope(q_pe, positions, c)
+
+    def compress(self, x, positions):
+        """-> c_kv [B, T, C] (after kv_a_layernorm), k_pe [B, T, R] (rotated): what the cache holds."""
+        c_kv, k_pe = jnp.split(self.kv_a_proj_with_mqa(x), [self.config.kv_lora_rank], axis=-1)
+        return self.kv_a_layernorm(c_kv), apply_rope(k_pe, positions, self.config)
+
+    def up_projections(self):
+        """kv_b_proj viewed per head -> W_uk [H, N, C], W_uv [H, V, C]."""
+        c = self.config
+        w = self.kv_b_proj.weight.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return jnp.split(w, [c.qk_nope_head_dim], axis=1)
+
+    def attend_expanded(self, q_nope, q_pe, c_kv, k_pe, mask):
+        w_uk, w_uv = self.up_projections()
+        k_nope = jnp.einsum("bsc,hnc->bshn", c_kv, w_uk.astype(c_kv.dtype))
+        v = jnp.einsum("bsc,hvc->bshv", c_kv, w_uv.astype(c_kv.dtype))
+        scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope) + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        probs = self.softmax(scores, mask).astype(v.dtype)
+        return jnp.einsum("bhts,bshv->bthv", probs, v)
+
+    def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask):
+        w_uk, w_uv = self.up_projections()
+        q_latent = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk.astype(q_nope.dtype))
+        scores = jnp.einsum("bthc,bsc->bhts", q_latent, c_kv) + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        probs = self.softmax(scores, mask).astype(c_kv.dtype)
+        out_latent = jnp.einsum("bhts,bsc->bthc", probs, c_kv)
+        return jnp.einsum("bthc,hvc->bthv", out_latent, w_uv.astype(out_latent.dtype))
+
+    def softmax(self, scores, mask):
+        """Scaled, masked softmax in float32. scores [B, H, T, S], mask [B, T, S]."""
+        scores = scores.astype(jnp.float32) * self.config.softmax_scale
+        scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+        return jax.nn.softmax(scores, axis=-1)

@@ -1,0 +1,102 @@
+"""`Model`: a config plus its parameter pytree, with jitted forward passes; `init`; parameter counts."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp.config import ModelConfig
+from jaxmtp.transformer import DeepseekV3
+
+
+def module(config: ModelConfig, dtype=jnp.float32, absorbed: bool = False) -> DeepseekV3:
+    return DeepseekV3(config, jnp.dtype(dtype), absorbed)
+
+
+def positions_for(tokens: jax.Array) -> jax.Array:
+    """[B, T] -> [B, T] positions 0..T-1 for each row."""
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+def _init_variables(config: ModelConfig, dtype, rng):
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return module(config, dtype).init(rng, tokens, positions_for(tokens), method=DeepseekV3.init_all)
+
+
+def abstract_params(config: ModelConfig, dtype=jnp.float32) -> dict:
+    """Shapes and dtypes of every parameter, without allocating (jax.ShapeDtypeStruct leaves)."""
+    boxed = jax.eval_shape(partial(_init_variables, config, jnp.dtype(dtype)), jax.random.key(0))
+    return nn.meta.unbox(boxed)["params"]
+
+
+def logical_axes(config: ModelConfig) -> dict:
+    """The logical axis names of every parameter, as a pytree of PartitionSpecs."""
+    boxed = jax.eval_shape(partial(_init_variables, config, jnp.float32), jax.random.key(0))
+    return nn.get_partition_spec(boxed)["params"]
+
+
+def _tree_size(tree) -> int:
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
+
+
+def parameter_counts(config: ModelConfig) -> dict[str, int]:
+    """Counts from abstract shapes: `main`, `mtp_unique` (what only the MTP module owns) and
+    `mtp_with_copies` (plus the embedding and head copies a checkpoint stores in the MTP layer)."""
+    params = abstract_params(config)
+    mtp = _tree_size(params.get("mtp", {}))
+    main = _tree_size(params) - mtp
+    copies = 0
+    if config.has_mtp:
+        copies = 2 * config.vocab_size * config.hidden_size
+    return {"main": main, "mtp_unique": mtp, "mtp_with_copies": mtp + copies}
+
+
+@dataclasses.dataclass
+class Model:
+    """A DeepSeek-V3-family model: static config, parameter pytree and (later) its device mesh."""
+
+    config: ModelConfig
+    params: Any
+    mesh: Any = None
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.params["embed_tokens"]["weight"].dtype)
+
+    def forward(self, tokens) -> tuple[jax.Array, jax.Array]:
+        """tokens [B, T] int -> (logits [B, T, V] float32, post-final-norm hidden [B, T, D])."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        return _forward(self.config, self.dtype, self.params, tokens)
+
+    def mtp_forward(self, hidden, next_tokens) -> jax.Array:
+        """Teacher-forced MTP: slot p combines hidden[:, p] with Emb(next_tokens[:, p]) (= t_{p+1})
+        and predicts t_{p+2}. hidden [B, T, D], next_tokens [B, T] -> logits [B, T, V] float32."""
+        if not self.config.has_mtp:
+            raise ValueError("mtp_forward: this model has no MTP module (num_nextn_predict_layers = 0)")
+        next_tokens = jnp.asarray(next_tokens, jnp.int32)
+        return _mtp_forward(self.config, self.dtype, self.params, jnp.asarray(hidden, self.dtype), next_tokens)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _forward(config, dtype, params, tokens):
+    logits, hidden, _ = module(config, dtype).apply({"params": params}, tokens, positions_for(tokens))
+    return logits, hidden
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _mtp_forward(config, dtype, params, hidden, next_tokens):
+    logits, _, _ = module(config, dtype).apply({"params": params}, hidden, next_tokens,
+                                               positions_for(next_tokens), method=DeepseekV3.mtp_step)
+    return logits
+
+
+def init(config: ModelConfig, seed: int = 0, dtype="float32") -> Model:
+    """Random parameters (normal(initializer_range) weights, unit norms, zero routing bias)."""
+    variables = jax.jit(partial(_init_variables, config, jnp.dtype(dtype)))(jax.random.key(seed))
+    return Model(config, nn.meta.unbox(variables)["params"])

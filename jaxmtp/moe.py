@@ -1,0 +1,128 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and DeepSeekMoE.
+
+DeepSeekMoE routes each token to `num_experts_per_tok` of `n_routed_experts` experts (sigmoid
+scores, a bias that steers selection only, group-limited top-k), runs them dropless by sorting the
+token copies by expert and calling a grouped matmul, and adds the always-on shared experts.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.config import ModelConfig
+from jaxmtp.layers import Dtype, Linear, normal_init
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)). x: [..., D] -> [..., D]."""
+
+    config: ModelConfig
+    intermediate_size: int
+    dtype: Dtype = jnp.float32
+    axis: str = "mlp"
+
+    def setup(self):
+        D, I, std = self.config.hidden_size, self.intermediate_size, self.config.initializer_range
+        self.gate_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std)
+        self.up_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std)
+        self.down_proj = Linear(I, D, ("embed", self.axis), self.dtype, std)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(logits: jax.Array, bias: jax.Array, config: ModelConfig):
+    """Group-limited top-k routing (DeepSeek-V3 `noaux_tc`).
+
+    Args:
+      logits: [N, E] float32 router logits; bias: [E] e_score_correction_bias.
+    Returns:
+      weights [N, K] float32 (unbiased sigmoid scores, normalised if norm_topk_prob, times
+      routed_scaling_factor) and expert indices [N, K] int32.
+    """
+    c = config
+    scores = jax.nn.sigmoid(logits)
+    biased = scores + bias  # the bias only decides which experts are chosen
+    grouped = biased.reshape(biased.shape[0], c.n_group, -1)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+    _, kept_groups = jax.lax.top_k(group_scores, c.topk_group)
+    group_mask = jax.nn.one_hot(kept_groups, c.n_group, dtype=jnp.bool_).any(axis=1)  # [N, G]
+    masked = jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(biased.shape)
+    _, experts = jax.lax.top_k(masked, c.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * c.routed_scaling_factor, experts
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Rows of x, sorted by group, times their group's weight. x [M, I], w [G, O, I] -> [M, O]."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes, dims)
+
+
+class Router(nn.Module):
+    """Gate: weight [E, D] and the float32 selection bias [E]. x [N, D] -> (weights, experts)."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        weight = self.param("weight", normal_init(c.initializer_range, ("expert", "embed")),
+                            (c.n_routed_experts, c.hidden_size), self.dtype)
+        bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("expert",)),
+                          (c.n_routed_experts,), jnp.float32)
+        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), weight.astype(jnp.float32))
+        return route(logits, bias, c)
+
+
+class Experts(nn.Module):
+    """Routed experts, weights stacked [E, out, in]; dropless sort-by-expert dispatch."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, weights, experts):
+        """x [N, D], weights/experts [N, K] -> [N, D] = sum_k weights[:, k] * Expert_{experts[:, k]}(x)."""
+        c = self.config
+        E, I, D = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        init = lambda axes: normal_init(c.initializer_range, axes)  # noqa: E731
+        gate = self.param("gate_proj", init(("expert", "expert_mlp", "embed")), (E, I, D), self.dtype)
+        up = self.param("up_proj", init(("expert", "expert_mlp", "embed")), (E, I, D), self.dtype)
+        down = self.param("down_proj", init(("expert", "embed", "expert_mlp")), (E, D, I), self.dtype)
+
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # token copies grouped by expert
+        sorted_x = x[order // k]
+        sizes = jnp.bincount(flat, length=E)
+        h = nn.silu(grouped_matmul(sorted_x, gate, sizes)) * grouped_matmul(sorted_x, up, sizes)
+        y = grouped_matmul(h, down, sizes)
+        y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, D)  # back to token order
+        return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts. x [B, T, D] -> [B, T, D]."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.gate = Router(c, self.dtype)
+        self.experts = Experts(c, self.dtype)
+        if c.n_shared_experts:
+            self.shared_experts = MLP(c, c.moe_intermediate_size * c.n_shared_experts, self.dtype)
+
+    def __call__(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.gate(flat)
+        out = self.experts(flat, weights, experts).reshape(x.shape)
+        if self.config.n_shared_experts:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,69 @@
+"""The top-level DeepSeek-V3 module: embedding, dense and MoE layer stacks, final norm, head, MTP."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.cache import MLACache
+from jaxmtp.config import ModelConfig
+from jaxmtp.decoder import LayerStack
+from jaxmtp.layers import Dtype, Embed, Linear, RMSNorm
+from jaxmtp.mtp import MTPBlock
+
+
+class DeepseekV3(nn.Module):
+    """Main model and MTP module sharing one embedding and one output head.
+
+    Caches are a dict {"dense": MLACache, "moe": MLACache} for the main stacks (either may be
+    absent when its stack is empty) and one MLACache for the MTP layer.
+    """
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+    absorbed: bool = False
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, self.dtype, c.initializer_range)
+        if c.num_dense_layers:
+            self.dense_layers = LayerStack(c, c.num_dense_layers, self.dtype, moe=False, absorbed=self.absorbed)
+        if c.num_moe_layers:
+            self.moe_layers = LayerStack(c, c.num_moe_layers, self.dtype, moe=True, absorbed=self.absorbed)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, ("vocab", "embed"), self.dtype, c.initializer_range)
+        if c.has_mtp:
+            self.mtp = MTPBlock(c, self.dtype, self.absorbed)
+
+    def __call__(self, tokens, positions, caches: dict | None = None):
+        """tokens, positions [B, T] -> (logits [B, T, V] f32, post-norm hidden [B, T, D], caches)."""
+        x = self.embed_tokens(tokens)
+        new_caches = {}
+        for group in ("dense", "moe"):
+            if hasattr(self, f"{group}_layers"):
+                stack = getattr(self, f"{group}_layers")
+                with jax.named_scope(f"{group}_layers"):
+                    x, new_caches[group] = stack(x, positions, None if caches is None else caches[group])
+        hidden = self.norm(x)
+        return self.logits(hidden), hidden, (None if caches is None else new_caches)
+
+    def logits(self, hidden):
+        """Shared output head. hidden [B, T, D] -> float32 logits [B, T, V]."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(hidden)
+        return jnp.einsum("btd,vd->btv", hidden, self.lm_head.weight.astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def mtp_step(self, hidden, next_tokens, positions, cache: MLACache | None = None):
+        """One MTP pass. hidden [B, T, D] (main post-norm or recycled MTP output), next_tokens [B, T]
+        (t_{p+1} at slot p), positions [B, T] -> (logits [B, T, V] predicting t_{p+2}, MTP hidden, cache)."""
+        with jax.named_scope("mtp"):
+            z, cache = self.mtp(hidden, self.embed_tokens(next_tokens), positions, cache)
+        return self.logits(z), z, cache
+
+    def init_all(self, tokens, positions):
+        """Touches every submodule so `init` creates all parameters."""
+        logits, hidden, _ = self(tokens, positions)
+        if self.config.has_mtp:
+            self.mtp_step(hidden, tokens, positions)
+        return logits

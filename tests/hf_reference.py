@@ -1,0 +1,101 @@
+"""Builds tiny random HF `transformers` DeepSeek-V3 models (the independent reference) and saves
+them, with their MTP layer, in the HF checkpoint layout that jaxmtp loads."""
+
+import os
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.modeling_layers import MtpModel
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3, n_group=2,
+            topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=10,
+            first_k_dense_replace=2, max_position_embeddings=256, routed_scaling_factor=2.5, norm_topk_prob=True,
+            num_nextn_predict_layers=1, rms_norm_eps=1e-6)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+# Each covers a different corner; together: YaRN with max_position_embeddings > original, n_group > 1
+# with topk_group < n_group, q_lora_rank null, several dense + MoE layers, norm_topk_prob both ways.
+CONFIGS = {
+    "yarn_groups": dict(BASE, rope_parameters=YARN),
+    "no_q_lora": dict(BASE, q_lora_rank=None, norm_topk_prob=False, first_k_dense_replace=1, n_group=1, topk_group=1,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+    "yarn_attention_factor": dict(BASE, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
+                                  first_k_dense_replace=0, num_hidden_layers=3, rope_interleave=False,
+                                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                   "original_max_position_embeddings": 32}),
+    "tied_two_shared": dict(BASE, tie_word_embeddings=True, n_shared_experts=2, first_k_dense_replace=3,
+                            num_hidden_layers=5, norm_topk_prob=False, rope_parameters=YARN),
+}
+
+
+def randomize(module: torch.nn.Module, seed: int):
+    """Replaces HF's tiny init with O(1)-scale random weights so every path matters numerically;
+    norms near 1 and a routing bias large enough to change which experts and groups win."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+            if "inv_freq" in name:
+                continue
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(0.3 * noise)
+            elif p.ndim == 1:
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(noise / np.sqrt(p.shape[-1]))
+
+
+def build(name: str, seed: int = 0):
+    """-> (HF main model, HF MtpModel or None), float32, eval mode, random weights."""
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(**CONFIGS[name])
+    config._attn_implementation = "eager"
+    main = DeepseekV3ForCausalLM(config).eval()
+    randomize(main, seed)
+    mtp = None
+    if config.num_nextn_predict_layers:
+        mtp = MtpModel(main, config.num_nextn_predict_layers).eval()
+        randomize(mtp.layers, seed + 1)
+    return main, mtp
+
+
+def mtp_state_dict(mtp: MtpModel, main: DeepseekV3ForCausalLM) -> dict:
+    """The MTP module's tensors under DeepSeek-V3 checkpoint names (layer index = num_hidden_layers),
+    experts split per expert, plus the embedding/head copies the published checkpoint carries."""
+    n = main.config.num_hidden_layers
+    out = {}
+    for key, value in mtp.layers[0].state_dict().items():
+        key = key.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+        if key.endswith("experts.gate_up_proj"):
+            gate, up = value.chunk(2, dim=1)
+            for e in range(value.shape[0]):
+                out[f"model.layers.{n}.mlp.experts.{e}.gate_proj.weight"] = gate[e]
+                out[f"model.layers.{n}.mlp.experts.{e}.up_proj.weight"] = up[e]
+        elif key.endswith("experts.down_proj"):
+            for e in range(value.shape[0]):
+                out[f"model.layers.{n}.mlp.experts.{e}.down_proj.weight"] = value[e]
+        else:
+            out[f"model.layers.{n}.{key}"] = value
+    out[f"model.layers.{n}.embed_tokens.weight"] = main.model.embed_tokens.weight
+    out[f"model.layers.{n}.shared_head.head.weight"] = main.lm_head.weight
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def save(main, mtp, directory: str):
+    """save_pretrained for the main model, then the MTP layer in a file of its own beside it."""
+    main.save_pretrained(directory)
+    if mtp is not None:
+        save_file(mtp_state_dict(mtp, main), os.path.join(directory, "model-mtp.safetensors"))
+    return directory
+
+
+def mtp_logits(mtp: MtpModel, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """HF's MTP layer, teacher-forced over every position: slot p sees hidden[:, p] and t_{p+1}."""
+    batch, length = next_tokens.shape
+    positions = torch.arange(length)[None].expand(batch, length)
+    z = mtp.forward_layer(0, hidden, positions, None, input_ids=next_tokens)
+    return mtp._project_to_logits(z)

@@ -1,0 +1,53 @@
+"""jaxmtp against HF transformers' DeepseekV3ForCausalLM and its generic MtpLayer (PyTorch, float32)."""
+
+import numpy as np
+import pytest
+import torch
+
+import hf_reference as ref
+import jaxmtp
+
+BATCH, LENGTH = 2, 32
+
+
+@pytest.fixture(scope="module", params=sorted(ref.CONFIGS))
+def pair(request, tmp_path_factory):
+    """(HF main, HF MTP, jaxmtp model loaded from the saved checkpoint, token ids [B, T+1])."""
+    main, mtp = ref.build(request.param, seed=len(request.param))
+    directory = ref.save(main, mtp, str(tmp_path_factory.mktemp(request.param)))
+    ids = torch.randint(0, main.config.vocab_size, (BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(7))
+    return main, mtp, jaxmtp.load(directory), ids
+
+
+def test_logits_and_hidden_match_transformers(pair):
+    main, _, model, ids = pair
+    with torch.no_grad():
+        expected_logits = main(ids[:, :LENGTH]).logits.numpy()
+        expected_hidden = main.model(ids[:, :LENGTH]).last_hidden_state.numpy()
+    logits, hidden = model.forward(ids[:, :LENGTH].numpy())
+    assert logits.shape == (BATCH, LENGTH, main.config.vocab_size) and logits.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(logits), expected_logits, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(hidden), expected_hidden, rtol=0, atol=1e-4)
+
+
+def test_mtp_matches_transformers_mtp_layer(pair):
+    main, mtp, model, ids = pair
+    with torch.no_grad():
+        hidden = main.model(ids[:, :LENGTH]).last_hidden_state
+        expected = ref.mtp_logits(mtp, hidden, ids[:, 1:]).numpy()
+    logits = model.mtp_forward(hidden.numpy(), ids[:, 1:].numpy())
+    np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=1e-4)
+
+
+def test_loaded_parameters_equal_checkpoint(pair):
+    """Spot-check the name mapping: stacked layer and expert slices hold the HF tensors."""
+    main, _, model, _ = pair
+    cfg = model.config
+    hf_layer = main.model.layers[cfg.num_hidden_layers - 1]
+    stack = model.params["moe_layers"]["layers"] if cfg.num_moe_layers else model.params["dense_layers"]["layers"]
+    np.testing.assert_array_equal(np.asarray(stack["self_attn"]["kv_b_proj"]["weight"][-1]),
+                                  hf_layer.self_attn.kv_b_proj.weight.detach().numpy())
+    if cfg.num_moe_layers:
+        gate_up = hf_layer.mlp.experts.gate_up_proj.detach().numpy()
+        np.testing.assert_array_equal(np.asarray(stack["mlp"]["experts"]["up_proj"][-1, 5]),
+                                      gate_up[5, cfg.moe_intermediate_size:])
