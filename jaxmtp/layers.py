@@ -10,6 +10,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxmtp.quant import as_dense
+
 Dtype = Any
 
 
@@ -34,7 +36,9 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x W^T with W stored [out_features, in_features], as in HF and the FP8 checkpoints."""
+    """y = x W^T with W stored [out_features, in_features], as in HF and the FP8 checkpoints.
+
+    The stored weight may be a QuantizedWeight; it is then dequantized on the fly."""
 
     in_features: int
     out_features: int
@@ -47,7 +51,7 @@ class Linear(nn.Module):
                                  (self.out_features, self.in_features), self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,oi->...o", x, self.weight.astype(x.dtype))
+        return jnp.einsum("...i,oi->...o", x, as_dense(self.weight, x.dtype))
 
 
 class Embed(nn.Module):

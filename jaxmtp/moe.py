@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.layers import Dtype, Linear, normal_init
+from jaxmtp.quant import as_dense
 
 
 class MLP(nn.Module):
@@ -56,10 +57,12 @@ def route(logits: jax.Array, bias: jax.Array, config: ModelConfig):
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Rows of x, sorted by group, times their group's weight. x [M, I], w [G, O, I] -> [M, O]."""
+    """Rows of x, sorted by group, times their group's weight. x [M, I], w [G, O, I] -> [M, O].
+
+    w may be a QuantizedWeight (dequantized on the fly)."""
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    return jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes, dims)
+    return jax.lax.ragged_dot_general(x, as_dense(w, x.dtype), group_sizes, dims)
 
 
 class Router(nn.Module):

@@ -99,3 +99,67 @@ def mtp_logits(mtp: MtpModel, hidden: torch.Tensor, next_tokens: torch.Tensor) -
     positions = torch.arange(length)[None].expand(batch, length)
     z = mtp.forward_layer(0, hidden, positions, None, input_ids=next_tokens)
     return mtp._project_to_logits(z)
+
+
+# Dimensions around 128 so that FP8 128x128 blocks include partial tiles (kv_a: 136 rows -> 2 scale
+# rows; in-dims 160 and 200 are not multiples of 128).
+FP8_CONFIG = dict(BASE, hidden_size=160, intermediate_size=200, moe_intermediate_size=136, num_attention_heads=2,
+                  num_key_value_heads=2, q_lora_rank=144, kv_lora_rank=128, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                  v_head_dim=16, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+                  num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0, rope_parameters=YARN)
+FP8_SUFFIXES = tuple(f"{m}.weight" for m in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                             "o_proj", "gate_proj", "up_proj", "down_proj"))
+
+
+def quantize_blocks(w: np.ndarray, block: int = 128):
+    """Spec section 4: per 128x128 block (zero-padded at the edges) scale = amax / 448,
+    value = w / scale in float8_e4m3fn. Returns (value, scale [ceil(out/128), ceil(in/128)])."""
+    import ml_dtypes
+
+    rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+    scale = np.ones((rows, cols), np.float32)
+    value = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    for i in range(rows):
+        for j in range(cols):
+            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = max(np.abs(tile).max() / 448.0, 1e-12)
+            value[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).astype(value.dtype)
+    return value, scale
+
+
+def dequantize_blocks(value: np.ndarray, scale: np.ndarray, block: int = 128) -> np.ndarray:
+    """W[i, j] = float32(value[i, j]) * scale[i // 128, j // 128]."""
+    i = np.arange(value.shape[0]) // block
+    j = np.arange(value.shape[1]) // block
+    return value.astype(np.float32) * scale[i][:, j]
+
+
+def save_fp8(main, mtp, directory: str):
+    """A DeepSeek-V3-style FP8 checkpoint of the model: projections as e4m3fn + weight_scale_inv.
+    Returns the dequantized tensors {name: float32 array} that the checkpoint really holds."""
+    import json
+
+    from safetensors.numpy import load_file, save_file as save_numpy
+
+    save(main, mtp, directory)
+    dequantized = {}
+    for file in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
+        path = os.path.join(directory, file)
+        tensors = load_file(path)
+        out = {}
+        for name, w in tensors.items():
+            if name.endswith(FP8_SUFFIXES):
+                value, scale = quantize_blocks(w)
+                out[name], out[name + "_scale_inv"] = value, scale
+                dequantized[name] = dequantize_blocks(value, scale)
+            else:
+                out[name] = w
+                dequantized[name] = w
+        save_numpy(out, path)
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dequantized

@@ -114,3 +114,45 @@ def test_mtp_copy_that_differs_warns(saved, tmp_path):
     save_file(tensors, path)
     with pytest.warns(UserWarning, match=r"model\.layers\.4\.embed_tokens\.weight differs"):
         jaxmtp.load(d)
+
+
+def test_wrong_dtype(saved, tmp_path):
+    d = _copy(saved[2], tmp_path)
+    _edit(d, lambda t: t.update({"model.norm.weight": torch.zeros(32, dtype=torch.int32)}))
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' has dtype I32; as a dense tensor it must be"):
+        jaxmtp.load(d)
+
+
+def test_truncated_file(saved, tmp_path):
+    d = _copy(saved[2], tmp_path)
+    path = os.path.join(d, "model.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read"):
+        jaxmtp.load(d)
+
+
+def test_corrupt_header(saved, tmp_path):
+    d = _copy(saved[2], tmp_path)
+    path = os.path.join(d, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"#garbage#")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read safetensors header"):
+        jaxmtp.load(d)
+
+
+def test_mtp_expected_but_absent(saved, tmp_path):
+    d = _copy(saved[2], tmp_path)
+    os.remove(os.path.join(d, "model-mtp.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing.*model\.layers\.4\."):
+        jaxmtp.load(d)
+
+
+def test_non_finite_weights_rejected_when_asked(saved, tmp_path):
+    d = _copy(saved[2], tmp_path)
+    _edit(d, lambda t: t["model.layers.0.self_attn.q_a_proj.weight"].__setitem__((0, 0), float("nan")))
+    jaxmtp.load(d, quiet=True)  # accepted unless asked
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.q_a_proj\.weight' contains NaN or Inf"):
+        jaxmtp.load(d, check_finite=True, quiet=True)

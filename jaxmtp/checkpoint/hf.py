@@ -1,4 +1,9 @@
-"""Reading HF-layout checkpoint directories: config.json + safetensors (single file or sharded)."""
+"""Reading HF-layout checkpoint directories: config.json + safetensors (single file or sharded),
+bf16/f32 tensors and block-scaled FP8 weights with their `weight_scale_inv`.
+
+Tensors are read one at a time from memory-mapped files and placed straight into their slot of the
+stacked parameter buffers, so host memory holds the parameters plus one tensor in flight.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,25 @@ import os
 import warnings
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
 
 from jaxmtp.checkpoint.names import expected_tensors, mtp_copy_names
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import CheckpointError
 from jaxmtp.model import Model, abstract_params
+from jaxmtp.quant import QuantizedWeight, dequantize, is_quantized_param, scale_shape
+
+# safetensors' numpy backend looks FP8 dtypes up on the numpy module; ml_dtypes provides them.
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if not hasattr(np, _name):
+        setattr(np, _name, getattr(ml_dtypes, _name))
 
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_FLOAT_KINDS = ("F32", "BF16", "F16", "F64")
+_DTYPES_BY_ROLE = {"dense": ("F32", "BF16", "F16", "F64"), "fp8": ("F8_E4M3",), "scale": ("F32",)}
 
 
 def checkpoint_files(directory: str) -> list[str]:
@@ -48,61 +61,108 @@ def default_dtype(directory: str):
     """The dtype a checkpoint's config.json declares (`dtype` or `torch_dtype`), else float32."""
     with open(os.path.join(directory, "config.json")) as f:
         raw = json.load(f)
-    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    return jnp.dtype(name)
+    return jnp.dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
 
 
-def load_hf(directory: str, dtype=None) -> Model:
-    """Loads an HF-layout checkpoint into a Model with parameters of `dtype`.
+def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_finite: bool = False,
+            quiet: bool = False) -> Model:
+    """Loads an HF-layout checkpoint into a Model.
 
-    Every tensor the config implies must be present with its exact shape, and every tensor in the
-    files must be one the model uses; anything else raises CheckpointError naming file and tensor.
+    Args:
+      dtype: dtype of the dense parameters; default the one config.json declares.
+      quantized: for FP8 checkpoints, "keep" holds QuantizedWeight (e4m3fn values + float32 block
+        scales) and "dequantize" produces dense `dtype` arrays.
+      check_finite: reject NaN/Inf in any tensor.
+    Every tensor the config implies must be present with its exact shape and dtype, and every
+    tensor in the files must be one the model uses; anything else raises CheckpointError.
     """
+    if quantized not in ("keep", "dequantize"):
+        raise ValueError(f"quantized: expected 'keep' or 'dequantize', found {quantized!r}")
     config = ModelConfig.from_hf_config(directory)
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype(directory)
+    keep = quantized == "keep" and config.quantization is not None
     target = abstract_params(config, dtype)
-    expected = {name: (path, index, shape) for name, path, index, shape in expected_tensors(target, config)}
+    expected = {name: rest for name, *rest in expected_tensors(target, config)}
     copies = mtp_copy_names(config)
-    buffers = _allocate(target)
-    seen, copy_values = set(), {}
-    for file in checkpoint_files(directory):
-        for name, value in _read_file(file):
-            if name in copies:
-                copy_values[name] = value
-                continue
-            if name not in expected:
-                raise CheckpointError(f"{file}: unexpected tensor {name!r} for this config "
-                                      f"({config.num_hidden_layers} layers, {config.n_routed_experts} experts, "
-                                      f"{config.num_nextn_predict_layers} MTP)")
-            path, index, shape = expected[name]
-            if value.shape != shape:
-                raise CheckpointError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
-                                      f"expected {list(shape)} from config.json")
-            _leaf(buffers, path)[index] = value
-            seen.add(name)
-    missing = [name for name in expected if name not in seen]
+    buffers = _allocate(target, config, keep)
+    placer = _Placer(buffers, keep, config)
+    copy_values = {}
+    for file, name, kind, value in _tensors(checkpoint_files(directory), quiet):
+        if name in copies:
+            copy_values[name] = value
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{file}: unexpected tensor {name!r} for this config "
+                                  f"({config.num_hidden_layers} layers, {config.n_routed_experts} experts, "
+                                  f"{config.num_nextn_predict_layers} MTP, "
+                                  f"{'FP8' if config.quantization else 'no'} quantization_config)")
+        path, index, shape, role = expected[name]
+        _check_tensor(file, name, kind, value, shape, role, check_finite)
+        placer.place(name, path, index, role, value)
+    missing = [name for name in expected if name not in placer.seen]
     if missing:
         raise CheckpointError(f"{directory}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
     _check_copies(copy_values, copies, buffers)
-    params = _map(buffers, jnp.asarray)
-    return Model(config, params)
+    return Model(config, _to_device(buffers))
 
 
-def _read_file(file: str):
-    """Yields (name, numpy array) for each tensor of one safetensors file, memory-mapped."""
-    try:
-        handle = safe_open(file, framework="numpy")
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from None
-    with handle:
-        for name in handle.keys():
-            kind = handle.get_slice(name).get_dtype()
-            if kind not in _FLOAT_KINDS:
-                raise CheckpointError(f"{file}: tensor {name!r} has dtype {kind}; expected one of {_FLOAT_KINDS}")
+class _Placer:
+    """Puts each tensor in its slot; in "dequantize" mode pairs an FP8 weight with its scale first."""
+
+    def __init__(self, buffers, keep, config):
+        self.buffers, self.keep, self.seen, self.pending = buffers, keep, set(), {}
+        self.block = config.quantization.weight_block_size if config.quantization else None
+
+    def place(self, name, path, index, role, value):
+        self.seen.add(name)
+        leaf = _leaf(self.buffers, path)
+        if role == "dense":
+            leaf[index] = value
+        elif self.keep:
+            (leaf.value if role == "fp8" else leaf.scale)[index] = value
+        else:
+            weight_name = name.removesuffix("_scale_inv")
+            partner = self.pending.pop(weight_name, None)
+            if partner is None:  # the other half may come later, from another file
+                self.pending[weight_name] = (role, value)
+                return
+            parts = dict([partner, (role, value)])
+            leaf[index] = dequantize(parts["fp8"], parts["scale"], self.block)
+
+
+def _tensors(files, quiet):
+    """Yields (file, name, safetensors dtype, numpy array) for every tensor, file by file, with a progress bar."""
+    total = sum(os.path.getsize(f) for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=quiet) as bar:
+        count = 0
+        for file in files:
             try:
-                yield name, handle.get_tensor(name)
+                handle = safe_open(file, framework="numpy")
             except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
+                raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from None
+            with handle:
+                for name in handle.keys():
+                    try:
+                        kind = handle.get_slice(name).get_dtype()
+                        value = handle.get_tensor(name)
+                    except (SafetensorError, OSError) as e:
+                        raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
+                    count += 1
+                    bar.update(value.nbytes)
+                    bar.set_postfix(tensors=count, refresh=False)
+                    yield file, name, kind, value
+
+
+def _check_tensor(file, name, kind, value, shape, role, check_finite):
+    if kind not in _DTYPES_BY_ROLE[role]:
+        what = {"fp8": "an FP8 weight", "scale": "a block scale", "dense": "a dense tensor"}[role]
+        raise CheckpointError(f"{file}: tensor {name!r} has dtype {kind}; as {what} it must be "
+                              f"{' or '.join(_DTYPES_BY_ROLE[role])}")
+    if value.shape != shape:
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
+                              f"expected {list(shape)} from config.json")
+    if check_finite and not np.isfinite(value.astype(np.float32)).all():
+        raise CheckpointError(f"{file}: tensor {name!r} contains NaN or Inf")
 
 
 def _check_copies(copy_values, copies, buffers):
@@ -114,12 +174,34 @@ def _check_copies(copy_values, copies, buffers):
                           "the main model's tensor is used for the MTP module", stacklevel=3)
 
 
-def _allocate(tree):
-    return _map(tree, lambda leaf: np.empty(leaf.shape, leaf.dtype))
+def _allocate(target, config, keep, path=()):
+    """Host buffers shaped like the parameters; QuantizedWeight of numpy arrays for FP8 weights kept as such."""
+    out = {}
+    for key, leaf in target.items():
+        p = path + (key,)
+        if isinstance(leaf, dict):
+            out[key] = _allocate(leaf, config, keep, p)
+        elif keep and is_quantized_param(p):
+            block = config.quantization.weight_block_size
+            out[key] = QuantizedWeight(np.empty(leaf.shape, ml_dtypes.float8_e4m3fn),
+                                       np.empty(scale_shape(leaf.shape, block), np.float32), block)
+        else:
+            out[key] = np.empty(leaf.shape, leaf.dtype)
+    return out
 
 
-def _map(tree, fn):
-    return {k: _map(v, fn) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+def _to_device(buffers):
+    """Moves buffers to JAX arrays one leaf at a time, releasing each host buffer as it goes."""
+    out = {}
+    for key in list(buffers):
+        leaf = buffers.pop(key)
+        if isinstance(leaf, QuantizedWeight):
+            out[key] = QuantizedWeight(jnp.asarray(leaf.value), jnp.asarray(leaf.scale), leaf.block)
+        elif isinstance(leaf, dict):
+            out[key] = _to_device(leaf)
+        else:
+            out[key] = jnp.asarray(leaf)
+    return out
 
 
 def _leaf(tree, path):

@@ -7,11 +7,10 @@ MTP module lives at layer index `num_hidden_layers`.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import numpy as np
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.quant import is_quantized_param, scale_shape
 
 _MTP_OWN = {"shared_head_norm": "shared_head.norm"}
 # Tensors a checkpoint stores in the MTP layer that are copies of the main model's.
@@ -42,15 +41,24 @@ def hf_name(path: tuple[str, ...], index: tuple[int, ...], config: ModelConfig) 
     return f"model.layers.{layer}." + ".".join(rest)
 
 
-def expected_tensors(params, config: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple[int, ...], tuple]]:
-    """(hf name, param path, stacking index, tensor shape) for every tensor the model needs.
+def expected_tensors(params, config: ModelConfig):
+    """(hf name, param path, stacking index, tensor shape, role) for every tensor the model needs.
 
-    `params` is a (possibly abstract) nested dict of arrays.
+    `params` is a (possibly abstract) nested dict of arrays. role is "dense" for a plain tensor, or
+    "fp8" and "scale" for the two tensors of a weight the config stores block-quantized.
     """
+    quantized = config.quantization is not None
     for path, leaf in _flatten(params):
         n = index_dims(path)
+        shape = tuple(leaf.shape[n:])
+        fp8 = quantized and is_quantized_param(path)
         for index in np.ndindex(*leaf.shape[:n]):
-            yield hf_name(path, index, config), path, index, tuple(leaf.shape[n:])
+            name = hf_name(path, index, config)
+            if fp8:
+                yield name, path, index, shape, "fp8"
+                yield name + "_scale_inv", path, index, scale_shape(shape, config.quantization.weight_block_size), "scale"
+            else:
+                yield name, path, index, shape, "dense"
 
 
 def mtp_copy_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
