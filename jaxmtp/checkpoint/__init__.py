@@ -1,17 +1,19 @@
-"""Checkpoint reading and writing."""
+"""Checkpoint reading and writing: HF layout (safetensors) and orbax."""
 
 import os
 
 from jaxmtp.checkpoint.hf import load_hf
+from jaxmtp.checkpoint.save import ORBAX_META, load_orbax, save_hf, save_orbax
 from jaxmtp.errors import CheckpointError
 
 
 def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False, quiet=False):
-    """Loads a checkpoint directory (HF layout: config.json + safetensors [+ index]).
+    """Loads a checkpoint directory: HF layout (config.json + safetensors [+ index]) or one written
+    by `save(..., format="orbax")`.
 
     Args:
       path: the directory.
-      dtype: parameter dtype; default the one config.json declares, else float32.
+      dtype: parameter dtype; default the one the checkpoint declares.
       mesh: reserved for sharded placement; only None is accepted for now.
       quantized: for FP8 checkpoints, "keep" (e4m3fn values + block scales, dequantized on the fly
         in each matmul) or "dequantize" (dense `dtype` weights).
@@ -23,4 +25,14 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if mesh is not None:
         raise ValueError("load: mesh placement is not implemented yet; pass mesh=None")
+    if os.path.exists(os.path.join(path, ORBAX_META)):
+        return load_orbax(path, dtype)
     return load_hf(path, dtype, quantized, check_finite, quiet)
+
+
+def save(model, path, format="hf"):
+    """Writes `model` to directory `path` as format "hf" (safetensors) or "orbax"."""
+    writers = {"hf": save_hf, "orbax": save_orbax}
+    if format not in writers:
+        raise ValueError(f"format: expected 'hf' or 'orbax', found {format!r}")
+    writers[format](model, os.fspath(path))

@@ -1,0 +1,97 @@
+"""Writing checkpoints: the HF layout (sharded safetensors + index, FP8 + scales for kept weights,
+the MTP module at layer index num_hidden_layers) or an orbax-checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from safetensors.numpy import save_file
+
+from jaxmtp.checkpoint.hf import INDEX_FILE, _leaf
+from jaxmtp.checkpoint.names import expected_tensors
+from jaxmtp.quant import QuantizedWeight
+
+ORBAX_META = "jaxmtp_orbax.json"
+
+
+def is_quantized(params) -> bool:
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return any(isinstance(leaf, QuantizedWeight) for leaf in leaves)
+
+
+def saved_config(model):
+    """The config as saved: quantization_config only when weights are really kept in FP8."""
+    return model.config if is_quantized(model.params) else model.config.replace(quantization=None)
+
+
+def save_hf(model, path: str, max_shard_bytes: int = 4 << 30):
+    """Writes config.json, model-XXXXX-of-YYYYY.safetensors and model.safetensors.index.json."""
+    os.makedirs(path, exist_ok=True)
+    config = saved_config(model)
+    raw = config.to_hf_config()
+    raw["dtype"] = str(model.dtype)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    shards, current, size = [], {}, 0
+    for name, tensor_path, index, _, role in expected_tensors(model.params, config):
+        leaf = _leaf(model.params, tensor_path)
+        array = {"dense": lambda: leaf, "fp8": lambda: leaf.value, "scale": lambda: leaf.scale}[role]()
+        value = np.asarray(array[index])
+        if current and size + value.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = value
+        size += value.nbytes
+    shards.append(current)
+    weight_map, total = {}, 0
+    for i, tensors in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.nbytes for t in tensors.values())
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def save_orbax(model, path: str):
+    """An orbax-checkpoint of the parameter tree under `params/`, with config.json beside it."""
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config.to_hf_config(), f, indent=2)
+    with open(os.path.join(path, ORBAX_META), "w") as f:
+        json.dump({"dtype": str(model.dtype), "quantized": is_quantized(model.params)}, f)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.join(path, "params"), model.params)
+
+
+def load_orbax(path: str, dtype=None):
+    """Restores a save_orbax directory, directly into `dtype` for the dense parameters."""
+    from jaxmtp.config import ModelConfig
+    from jaxmtp.model import Model, abstract_params
+    from jaxmtp.quant import is_quantized_param, scale_shape
+
+    path = os.path.abspath(path)
+    config = ModelConfig.from_hf_config(path)
+    with open(os.path.join(path, ORBAX_META)) as f:
+        meta = json.load(f)
+    dtype = jnp.dtype(dtype or meta["dtype"])
+    target = abstract_params(config, dtype)
+    if meta["quantized"]:
+        block = config.quantization.weight_block_size
+        target = _map_paths(target, lambda p, leaf: QuantizedWeight(
+            jax.ShapeDtypeStruct(leaf.shape, jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct(scale_shape(leaf.shape, block), jnp.float32), block)
+            if is_quantized_param(p) else leaf)
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(os.path.join(path, "params"), target)
+    return Model(config, params)
+
+
+def _map_paths(tree, fn, path=()):
+    return {k: _map_paths(v, fn, path + (k,)) if isinstance(v, dict) else fn(path + (k,), v) for k, v in tree.items()}
