@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-E4M3_MAX = 448.0
 # Parameters stored in FP8 by the published checkpoints: every attention and FFN projection.
 # Embeddings, the head, norms, the router and eh_proj stay in high precision.
 QUANTIZED_MODULES = frozenset({"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
@@ -52,25 +51,6 @@ def dequantize(value, scale, block=(128, 128)):
     xp = np if isinstance(value, np.ndarray) else jnp
     full = xp.repeat(xp.repeat(scale, block[0], axis=-2), block[1], axis=-1)[..., :out_dim, :in_dim]
     return value.astype(xp.float32) * full
-
-
-def quantize(weight: np.ndarray, block=(128, 128)) -> tuple[np.ndarray, np.ndarray]:
-    """Per block: scale = amax / 448 (zero-padded partial tiles), value = weight / scale in e4m3fn.
-
-    weight [..., out, in] -> (value [..., out, in] float8_e4m3fn, scale [..., ceil(out/b0), ceil(in/b1)] f32).
-    """
-    import ml_dtypes
-
-    w = np.asarray(weight, np.float32)
-    out_dim, in_dim = w.shape[-2:]
-    so, si = scale_shape(w.shape, block)[-2:]
-    padded = np.zeros(w.shape[:-2] + (so * block[0], si * block[1]), np.float32)
-    padded[..., :out_dim, :in_dim] = w
-    tiles = padded.reshape(w.shape[:-2] + (so, block[0], si, block[1]))
-    amax = np.abs(tiles).max(axis=(-3, -1))
-    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
-    value = (w / np.repeat(np.repeat(scale, block[0], -2), block[1], -1)[..., :out_dim, :in_dim])
-    return value.astype(ml_dtypes.float8_e4m3fn), scale
 
 
 def as_dense(weight, dtype) -> jax.Array:

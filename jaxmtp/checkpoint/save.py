@@ -14,7 +14,9 @@ from safetensors.numpy import save_file
 
 from jaxmtp.checkpoint.hf import INDEX_FILE, _leaf
 from jaxmtp.checkpoint.names import expected_tensors
-from jaxmtp.quant import QuantizedWeight
+from jaxmtp.config import ModelConfig
+from jaxmtp.model import Model, abstract_params
+from jaxmtp.quant import QuantizedWeight, is_quantized_param, scale_shape
 
 ORBAX_META = "jaxmtp_orbax.json"
 
@@ -40,7 +42,7 @@ def save_hf(model, path: str, max_shard_bytes: int = 4 << 30):
     shards, current, size = [], {}, 0
     for name, tensor_path, index, _, role in expected_tensors(model.params, config):
         leaf = _leaf(model.params, tensor_path)
-        array = {"dense": lambda: leaf, "fp8": lambda: leaf.value, "scale": lambda: leaf.scale}[role]()
+        array = leaf if role == "dense" else (leaf.value if role == "fp8" else leaf.scale)
         value = np.asarray(array[index])
         if current and size + value.nbytes > max_shard_bytes:
             shards.append(current)
@@ -72,10 +74,6 @@ def save_orbax(model, path: str):
 
 def load_orbax(path: str, dtype=None):
     """Restores a save_orbax directory, directly into `dtype` for the dense parameters."""
-    from jaxmtp.config import ModelConfig
-    from jaxmtp.model import Model, abstract_params
-    from jaxmtp.quant import is_quantized_param, scale_shape
-
     path = os.path.abspath(path)
     config = ModelConfig.from_hf_config(path)
     with open(os.path.join(path, ORBAX_META)) as f:
