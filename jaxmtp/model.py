@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.quant import QuantizedWeight, is_quantized_param, scale_shape
 from jaxmtp.transformer import DeepseekV3
 
 
@@ -29,10 +30,31 @@ def _init_variables(config: ModelConfig, dtype, rng):
     return module(config, dtype).init(rng, tokens, positions_for(tokens), method=DeepseekV3.init_all)
 
 
-def abstract_params(config: ModelConfig, dtype=jnp.float32) -> dict:
-    """Shapes and dtypes of every parameter, without allocating (jax.ShapeDtypeStruct leaves)."""
+def abstract_params(config: ModelConfig, dtype=jnp.float32, keep_fp8: bool = False) -> dict:
+    """Shapes and dtypes of every parameter, without allocating (jax.ShapeDtypeStruct leaves).
+
+    With keep_fp8 (and a quantized config), the weights a checkpoint stores in FP8 are
+    QuantizedWeight(e4m3fn values, float32 block scales) instead of dense `dtype` arrays.
+    """
     boxed = jax.eval_shape(partial(_init_variables, config, jnp.dtype(dtype)), jax.random.key(0))
-    return nn.meta.unbox(boxed)["params"]
+    params = nn.meta.unbox(boxed)["params"]
+    if keep_fp8 and config.quantization is not None:
+        params = _quantized_leaves(params, config.quantization.weight_block_size)
+    return params
+
+
+def _quantized_leaves(tree, block, path=()):
+    out = {}
+    for key, leaf in tree.items():
+        p = path + (key,)
+        if isinstance(leaf, dict):
+            out[key] = _quantized_leaves(leaf, block, p)
+        elif is_quantized_param(p):
+            out[key] = QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, jnp.float8_e4m3fn),
+                                       jax.ShapeDtypeStruct(scale_shape(leaf.shape, block), jnp.float32), block)
+        else:
+            out[key] = leaf
+    return out
 
 
 def logical_axes(config: ModelConfig) -> dict:

@@ -11,6 +11,7 @@ import json
 import os
 import warnings
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -21,7 +22,7 @@ from jaxmtp.checkpoint.names import expected_tensors, mtp_copy_names
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import CheckpointError
 from jaxmtp.model import Model, abstract_params
-from jaxmtp.quant import QuantizedWeight, dequantize, is_quantized_param, scale_shape
+from jaxmtp.quant import dequantize
 
 # safetensors' numpy backend looks FP8 dtypes up on the numpy module; ml_dtypes provides them.
 for _name in ("float8_e4m3fn", "float8_e5m2"):
@@ -81,10 +82,10 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
     config = ModelConfig.from_hf_config(directory)
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype(directory)
     keep = quantized == "keep" and config.quantization is not None
-    target = abstract_params(config, dtype)
+    target = abstract_params(config, dtype, keep_fp8=keep)
     expected = {name: rest for name, *rest in expected_tensors(target, config)}
     copies = mtp_copy_names(config)
-    buffers = _allocate(target, config, keep)
+    buffers = jax.tree.map(lambda leaf: np.empty(leaf.shape, leaf.dtype), target)
     placer = _Placer(buffers, keep, config)
     copy_values = {}
     for file, name, kind, value in _tensors(checkpoint_files(directory), quiet):
@@ -174,33 +175,12 @@ def _check_copies(copy_values, copies, buffers):
                           "the main model's tensor is used for the MTP module", stacklevel=3)
 
 
-def _allocate(target, config, keep, path=()):
-    """Host buffers shaped like the parameters; QuantizedWeight of numpy arrays for FP8 weights kept as such."""
-    out = {}
-    for key, leaf in target.items():
-        p = path + (key,)
-        if isinstance(leaf, dict):
-            out[key] = _allocate(leaf, config, keep, p)
-        elif keep and is_quantized_param(p):
-            block = config.quantization.weight_block_size
-            out[key] = QuantizedWeight(np.empty(leaf.shape, ml_dtypes.float8_e4m3fn),
-                                       np.empty(scale_shape(leaf.shape, block), np.float32), block)
-        else:
-            out[key] = np.empty(leaf.shape, leaf.dtype)
-    return out
-
-
 def _to_device(buffers):
     """Moves buffers to JAX arrays one leaf at a time, releasing each host buffer as it goes."""
     out = {}
     for key in list(buffers):
         leaf = buffers.pop(key)
-        if isinstance(leaf, QuantizedWeight):
-            out[key] = QuantizedWeight(jnp.asarray(leaf.value), jnp.asarray(leaf.scale), leaf.block)
-        elif isinstance(leaf, dict):
-            out[key] = _to_device(leaf)
-        else:
-            out[key] = jnp.asarray(leaf)
+        out[key] = _to_device(leaf) if isinstance(leaf, dict) else jax.tree.map(jnp.asarray, leaf)
     return out
 
 

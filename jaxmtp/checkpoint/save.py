@@ -16,7 +16,7 @@ from jaxmtp.checkpoint.hf import INDEX_FILE, _leaf
 from jaxmtp.checkpoint.names import expected_tensors
 from jaxmtp.config import ModelConfig
 from jaxmtp.model import Model, abstract_params
-from jaxmtp.quant import QuantizedWeight, is_quantized_param, scale_shape
+from jaxmtp.quant import QuantizedWeight
 
 ORBAX_META = "jaxmtp_orbax.json"
 
@@ -79,17 +79,8 @@ def load_orbax(path: str, dtype=None):
     with open(os.path.join(path, ORBAX_META)) as f:
         meta = json.load(f)
     dtype = jnp.dtype(dtype or meta["dtype"])
-    target = abstract_params(config, dtype)
-    if meta["quantized"]:
-        block = config.quantization.weight_block_size
-        target = _map_paths(target, lambda p, leaf: QuantizedWeight(
-            jax.ShapeDtypeStruct(leaf.shape, jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct(scale_shape(leaf.shape, block), jnp.float32), block)
-            if is_quantized_param(p) else leaf)
+    target = abstract_params(config, dtype, keep_fp8=meta["quantized"])
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.join(path, "params"), target)
     return Model(config, params)
 
-
-def _map_paths(tree, fn, path=()):
-    return {k: _map_paths(v, fn, path + (k,)) if isinstance(v, dict) else fn(path + (k,), v) for k, v in tree.items()}
