@@ -56,6 +56,17 @@ def _forward_demo(args):
         print(f"MTP module, token after next per position:  {np.asarray(mtp_logits.argmax(-1))[0].tolist()}")
 
 
+def _convert(args):
+    import jaxmtp
+
+    start = time.perf_counter()
+    model = jaxmtp.load(args.src, dtype=args.dtype, quantized=args.quantized)
+    loaded = time.perf_counter()
+    jaxmtp.save(model, args.dst, format=args.format)
+    print(f"{args.src} -> {args.dst} ({args.format}, {model.dtype}): "
+          f"load {loaded - start:.1f} s, save {time.perf_counter() - loaded:.1f} s")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="jaxmtp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +84,15 @@ def main(argv=None):
     fwd.add_argument("--tokens", default="1,2,3,4,5,6,7,8")
     fwd.add_argument("--seed", type=int, default=0)
     fwd.set_defaults(run=_forward_demo)
+
+    conv = sub.add_parser("convert", help="rewrite a checkpoint (HF, DeepSeek mp-sharded or orbax) as HF or orbax")
+    conv.add_argument("src", help="checkpoint directory")
+    conv.add_argument("dst", help="output directory")
+    conv.add_argument("--format", choices=("hf", "orbax"), required=True)
+    conv.add_argument("--dtype", help="dense parameter dtype (default: the source's)")
+    conv.add_argument("--quantized", choices=("keep", "dequantize"), default="keep",
+                      help="FP8 weights: keep them FP8 with their scales, or write dense --dtype weights")
+    conv.set_defaults(run=_convert)
 
     args = parser.parse_args(argv)
     args.run(args)

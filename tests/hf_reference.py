@@ -163,3 +163,8 @@ def save_fp8(main, mtp, directory: str):
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
     return dequantized
+
+# FP8 with every tensor-parallel cut a whole number of 128-blocks per rank at mp=2 (wq_b/wkv_b 512
+# rows, wo 256 columns, MLP 256), as DeepSeek's converter requires; hidden 160 keeps partial tiles.
+FP8_TP_CONFIG = dict(FP8_CONFIG, num_attention_heads=4, num_key_value_heads=4, qk_nope_head_dim=64,
+                     qk_rope_head_dim=64, v_head_dim=64, intermediate_size=256, moe_intermediate_size=256)

@@ -8,8 +8,9 @@ from jaxmtp.errors import CheckpointError
 
 
 def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False, quiet=False):
-    """Loads a checkpoint directory: HF layout (config.json + safetensors [+ index]) or one written
-    by `save(..., format="orbax")`.
+    """Loads a checkpoint directory: HF layout (config.json + safetensors [+ index]), DeepSeek's
+    converted `model{rank}-mp{n}.safetensors` (with the HF config.json copied beside them; that
+    format has no MTP layer), or one written by `save(..., format="orbax")`.
 
     Args:
       path: the directory.
@@ -25,14 +26,19 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if mesh is not None:
         raise ValueError("load: mesh placement is not implemented yet; pass mesh=None")
+    if quantized not in ("keep", "dequantize"):
+        raise ValueError(f"quantized: expected 'keep' or 'dequantize', found {quantized!r}")
     if os.path.exists(os.path.join(path, ORBAX_META)):
-        return load_orbax(path, dtype)
+        return load_orbax(path, dtype, quantized)
     return load_hf(path, dtype, quantized, check_finite, quiet)
 
 
-def save(model, path, format="hf"):
-    """Writes `model` to directory `path` as format "hf" (safetensors) or "orbax"."""
-    writers = {"hf": save_hf, "orbax": save_orbax}
-    if format not in writers:
+def save(model, path, format="hf", max_shard_bytes=4 << 30):
+    """Writes `model` to directory `path` as format "hf" (safetensors files of at most
+    `max_shard_bytes` each, plus their index) or "orbax"."""
+    if format == "hf":
+        save_hf(model, os.fspath(path), max_shard_bytes)
+    elif format == "orbax":
+        save_orbax(model, os.fspath(path))
+    else:
         raise ValueError(f"format: expected 'hf' or 'orbax', found {format!r}")
-    writers[format](model, os.fspath(path))

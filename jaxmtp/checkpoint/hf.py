@@ -1,5 +1,6 @@
-"""Reading HF-layout checkpoint directories: config.json + safetensors (single file or sharded),
-bf16/f32 tensors and block-scaled FP8 weights with their `weight_scale_inv`.
+"""Reading checkpoint directories: config.json + safetensors in the HF layout (single file or
+sharded) or DeepSeek's converted `model{rank}-mp{n}` layout; bf16/f32 tensors and block-scaled FP8
+weights with their `weight_scale_inv`.
 
 Tensors are read one at a time from memory-mapped files and placed straight into their slot of the
 stacked parameter buffers, so host memory holds the parameters plus one tensor in flight.
@@ -18,6 +19,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from jaxmtp.checkpoint import official
 from jaxmtp.checkpoint.names import expected_tensors, mtp_copy_names
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import CheckpointError
@@ -67,7 +69,7 @@ def default_dtype(directory: str):
 
 def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_finite: bool = False,
             quiet: bool = False) -> Model:
-    """Loads an HF-layout checkpoint into a Model.
+    """Loads an HF-layout or DeepSeek-converted checkpoint into a Model.
 
     Args:
       dtype: dtype of the dense parameters; default the one config.json declares.
@@ -77,29 +79,36 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
     Every tensor the config implies must be present with its exact shape and dtype, and every
     tensor in the files must be one the model uses; anything else raises CheckpointError.
     """
-    if quantized not in ("keep", "dequantize"):
-        raise ValueError(f"quantized: expected 'keep' or 'dequantize', found {quantized!r}")
     config = ModelConfig.from_hf_config(directory)
+    ranks = official.rank_files(directory)
+    if ranks and config.has_mtp:
+        warnings.warn(f"{directory}: DeepSeek's converted model{{rank}}-mp{{n}} format carries no MTP layer; "
+                      "loading the main model only", stacklevel=3)
+        config = config.replace(num_nextn_predict_layers=0)
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype(directory)
     keep = quantized == "keep" and config.quantization is not None
     target = abstract_params(config, dtype, keep_fp8=keep)
     expected = {name: rest for name, *rest in expected_tensors(target, config)}
     copies = mtp_copy_names(config)
-    buffers = jax.tree.map(lambda leaf: np.empty(leaf.shape, leaf.dtype), target)
+    buffers = jax.tree.map(lambda leaf: _aligned_empty(leaf.shape, leaf.dtype), target)
     placer = _Placer(buffers, keep, config)
     copy_values = {}
-    for file, name, kind, value in _tensors(checkpoint_files(directory), quiet):
-        if name in copies:
-            copy_values[name] = value
-            continue
-        if name not in expected:
-            raise CheckpointError(f"{file}: unexpected tensor {name!r} for this config "
-                                  f"({config.num_hidden_layers} layers, {config.n_routed_experts} experts, "
-                                  f"{config.num_nextn_predict_layers} MTP, "
-                                  f"{'FP8' if config.quantization else 'no'} quantization_config)")
-        path, index, shape, role = expected[name]
-        _check_tensor(file, name, kind, value, shape, role, check_finite)
-        placer.place(name, path, index, role, value)
+    files = ranks or checkpoint_files(directory)
+    with _progress(files, quiet) as bar:
+        source = official.rank_tensors(files, expected, config, bar) if ranks else _tensors(files, bar)
+        for count, (file, name, kind, value) in enumerate(source, 1):
+            bar.set_postfix(tensors=count, refresh=False)
+            if name in copies:
+                copy_values[name] = value
+                continue
+            if name not in expected:
+                raise CheckpointError(f"{file}: unexpected tensor {name!r} for this config "
+                                      f"({config.num_hidden_layers} layers, {config.n_routed_experts} experts, "
+                                      f"{config.num_nextn_predict_layers} MTP, "
+                                      f"{'FP8' if config.quantization else 'no'} quantization_config)")
+            path, index, shape, role = expected[name]
+            _check_tensor(file, name, kind, value, shape, role, check_finite)
+            placer.place(name, path, index, role, value)
     missing = [name for name in expected if name not in placer.seen]
     if missing:
         raise CheckpointError(f"{directory}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
@@ -131,27 +140,28 @@ class _Placer:
             leaf[index] = dequantize(parts["fp8"], parts["scale"], self.block)
 
 
-def _tensors(files, quiet):
-    """Yields (file, name, safetensors dtype, numpy array) for every tensor, file by file, with a progress bar."""
+def _progress(files, quiet):
+    """A progress bar over the files' bytes; the count of tensors read shows beside it."""
     total = sum(os.path.getsize(f) for f in files)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=quiet) as bar:
-        count = 0
-        for file in files:
-            try:
-                handle = safe_open(file, framework="numpy")
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from None
-            with handle:
-                for name in handle.keys():
-                    try:
-                        kind = handle.get_slice(name).get_dtype()
-                        value = handle.get_tensor(name)
-                    except (SafetensorError, OSError) as e:
-                        raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
-                    count += 1
-                    bar.update(value.nbytes)
-                    bar.set_postfix(tensors=count, refresh=False)
-                    yield file, name, kind, value
+    return tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=quiet)
+
+
+def _tensors(files, bar):
+    """Yields (file, name, safetensors dtype, numpy array) for every tensor, file by file."""
+    for file in files:
+        try:
+            handle = safe_open(file, framework="numpy")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from None
+        with handle:
+            for name in handle.keys():
+                try:
+                    kind = handle.get_slice(name).get_dtype()
+                    value = handle.get_tensor(name)
+                except (SafetensorError, OSError) as e:
+                    raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
+                bar.update(value.nbytes)
+                yield file, name, kind, value
 
 
 def _check_tensor(file, name, kind, value, shape, role, check_finite):
@@ -175,12 +185,23 @@ def _check_copies(copy_values, copies, buffers):
                           "the main model's tensor is used for the MTP module", stacklevel=3)
 
 
+def _aligned_empty(shape, dtype, alignment=64):
+    """An uninitialised host array whose data starts on an `alignment`-byte boundary, which lets the
+    CPU backend adopt it as a device buffer without a copy."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(int(np.prod(shape)) * dtype.itemsize + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def _to_device(buffers):
-    """Moves buffers to JAX arrays one leaf at a time, releasing each host buffer as it goes."""
+    """Moves buffers to JAX arrays one leaf at a time, releasing each host buffer as it goes (on CPU
+    the aligned buffers become the device arrays themselves)."""
     out = {}
     for key in list(buffers):
         leaf = buffers.pop(key)
-        out[key] = _to_device(leaf) if isinstance(leaf, dict) else jax.tree.map(jnp.asarray, leaf)
+        out[key] = _to_device(leaf) if isinstance(leaf, dict) else jax.tree.map(
+            lambda x: jax.device_put(x, may_alias=True), leaf)
     return out
 
 
