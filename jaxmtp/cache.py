@@ -20,8 +20,10 @@ class MLACache:
     k_pe: jax.Array
 
     @classmethod
-    def zeros(cls, config: ModelConfig, num_layers: int, batch: int, max_len: int, dtype=jnp.float32) -> "MLACache":
-        shape = (num_layers, batch, max_len)
+    def zeros(cls, config: ModelConfig, num_layers: int | None, batch: int, max_len: int,
+              dtype=jnp.float32) -> "MLACache":
+        """An empty cache; num_layers=None gives a single layer's cache without the stacking axis."""
+        shape = (() if num_layers is None else (num_layers,)) + (batch, max_len)
         return cls(c_kv=jnp.zeros(shape + (config.kv_lora_rank,), dtype),
                    k_pe=jnp.zeros(shape + (config.qk_rope_head_dim,), dtype))
 

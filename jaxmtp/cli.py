@@ -56,6 +56,51 @@ def _forward_demo(args):
         print(f"MTP module, token after next per position:  {np.asarray(mtp_logits.argmax(-1))[0].tolist()}")
 
 
+def _prompts(args, tokenizer):
+    """Prompts as token-id lists: text through the model's tokenizer, or --tokens "1,2,3;4,5"."""
+    if args.tokens:
+        return [[int(t) for t in row.split(",")] for row in args.tokens.split(";")]
+    if tokenizer is None:
+        raise SystemExit("this model has no tokenizer.json: pass token ids with --tokens 1,2,3")
+    if not args.prompt:
+        raise SystemExit("give a prompt (text) or --tokens")
+    return [tokenizer.encode(text).ids for text in args.prompt]
+
+
+def _generate(args):
+    import os
+
+    import jaxmtp
+    from jaxmtp.generation import timed_generate
+
+    model = jaxmtp.load(args.model, quiet=args.quiet)
+    tokenizer = None
+    if os.path.exists(os.path.join(args.model, "tokenizer.json")):
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
+    prompts = _prompts(args, tokenizer)
+    eos = None if args.ignore_eos else model.config.eos_token_id
+    out, compile_s, (run_s,) = timed_generate(
+        model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, speculative_k=args.k, eos_token_id=eos, seed=args.seed)
+    for prompt, tokens in zip(prompts, out.tokens):
+        if tokenizer is not None:
+            print(tokenizer.decode(prompt) + tokenizer.decode(tokens))
+        else:
+            print(f"{prompt} -> {tokens}")
+        print()
+    new = sum(len(t) for t in out.tokens)
+    s = out.stats
+    print(f"{new} new tokens in {run_s:.3f} s: {new / run_s:.1f} tokens/s (compile {compile_s:.1f} s, not included)")
+    if args.k:
+        per_position = ", ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
+        print(f"k={args.k}: acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
+              f"{s['mean_accepted_length']:.2f}, per position [{per_position}]")
+    print(f"main forward passes {s['main_forward_passes']} (incl. prefill), drafts {s['draft_tokens']}, "
+          f"accepted {s['accepted_tokens']}")
+
+
 def _convert(args):
     import jaxmtp
 
@@ -84,6 +129,20 @@ def main(argv=None):
     fwd.add_argument("--tokens", default="1,2,3,4,5,6,7,8")
     fwd.add_argument("--seed", type=int, default=0)
     fwd.set_defaults(run=_forward_demo)
+
+    gen = sub.add_parser("generate", help="generate text with plain or MTP speculative decoding")
+    gen.add_argument("prompt", nargs="*", help="prompt text (needs the model's tokenizer.json)")
+    gen.add_argument("--model", required=True, help="checkpoint directory")
+    gen.add_argument("--tokens", help='token ids instead of text: "1,2,3", several prompts separated by ";"')
+    gen.add_argument("--k", type=int, default=2, help="MTP drafts per round; 0 = plain decoding")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos_token_id")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.set_defaults(run=_generate)
 
     conv = sub.add_parser("convert", help="rewrite a checkpoint (HF, DeepSeek mp-sharded or orbax) as HF or orbax")
     conv.add_argument("src", help="checkpoint directory")

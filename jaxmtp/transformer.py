@@ -37,6 +37,11 @@ class DeepseekV3(nn.Module):
 
     def __call__(self, tokens, positions, caches: dict | None = None):
         """tokens, positions [B, T] -> (logits [B, T, V] f32, post-norm hidden [B, T, D], caches)."""
+        hidden, caches = self.hidden_states(tokens, positions, caches)
+        return self.logits(hidden), hidden, caches
+
+    def hidden_states(self, tokens, positions, caches: dict | None = None):
+        """The main model without its head: -> (post-norm hidden [B, T, D], caches)."""
         x = self.embed_tokens(tokens)
         new_caches = {}
         for group in ("dense", "moe"):
@@ -44,8 +49,7 @@ class DeepseekV3(nn.Module):
                 stack = getattr(self, f"{group}_layers")
                 with jax.named_scope(f"{group}_layers"):
                     x, new_caches[group] = stack(x, positions, None if caches is None else caches[group])
-        hidden = self.norm(x)
-        return self.logits(hidden), hidden, (None if caches is None else new_caches)
+        return self.norm(x), (None if caches is None else new_caches)
 
     def logits(self, hidden):
         """Shared output head. hidden [B, T, D] -> float32 logits [B, T, V]."""
@@ -57,9 +61,13 @@ class DeepseekV3(nn.Module):
     def mtp_step(self, hidden, next_tokens, positions, cache: MLACache | None = None):
         """One MTP pass. hidden [B, T, D] (main post-norm or recycled MTP output), next_tokens [B, T]
         (t_{p+1} at slot p), positions [B, T] -> (logits [B, T, V] predicting t_{p+2}, MTP hidden, cache)."""
-        with jax.named_scope("mtp"):
-            z, cache = self.mtp(hidden, self.embed_tokens(next_tokens), positions, cache)
+        z, cache = self.mtp_hidden(hidden, next_tokens, positions, cache)
         return self.logits(z), z, cache
+
+    def mtp_hidden(self, hidden, next_tokens, positions, cache: MLACache | None = None):
+        """The MTP module without the head: -> (post shared_head.norm hidden [B, T, D], cache)."""
+        with jax.named_scope("mtp"):
+            return self.mtp(hidden, self.embed_tokens(next_tokens), positions, cache)
 
     def init_all(self, tokens, positions):
         """Touches every submodule so `init` creates all parameters."""

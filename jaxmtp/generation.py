@@ -1,0 +1,341 @@
+"""`generate`: prefill and every decode round inside one jitted `lax.while_loop`.
+
+Plain decoding is the k = 0 case of the speculative round: feed t_n, choose the next token. With
+k > 0 each round drafts d1..dk with the MTP layer, verifies [t_n, d1..dk] in one main forward,
+commits the accepted drafts plus one token, and repairs the MTP cache with the main model's hidden
+states (spec section 10). Rows advance independently: every row has its own position n (the
+position of its newest token t_n, not yet fed to the model), and the caches are addressed by
+absolute position, so a rejected draft is rolled back by simply not advancing past it.
+
+Shapes are padded to buckets (batch, prompt length, cache length) so that new prompt lengths reuse a
+compiled function; everything else (lengths, limits, EOS, sampling values, seed) is traced.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from functools import partial
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp.cache import MLACache
+from jaxmtp.config import ModelConfig
+from jaxmtp.model import Model, module
+from jaxmtp.sampling import SamplingMode, SamplingParams, choose
+from jaxmtp.speculative import verify_greedy, verify_sampled
+from jaxmtp.transformer import DeepseekV3
+
+MAX_SPECULATIVE_K = 8
+# How often each jitted generation function was traced, by its static signature: a trace counter
+# that tests use to check one compile per shape bucket, k and sampling mode.
+TRACES: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Everything the compiled loop is specialised on."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+    k: int
+    mode: SamplingMode
+    cache_len: int
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """The while-loop carry. B rows, S = cache length, W = S + k + 1 token slots.
+
+    seq [B, W]: tokens by position (prompt, then generated); n [B]: position of t_n; count [B]: new
+    tokens so far; done [B]. draft/draft_hidden/draft_probs: d1 for the next round, the MTP hidden
+    state at its slot [B, D] and its distribution [B, V] (sampling only). Stats per row: rounds,
+    drafted, accepted, accepted_at [B, k] (rounds in which draft i was accepted); steps: main
+    forward passes of the batch.
+    """
+
+    seq: jax.Array
+    n: jax.Array
+    count: jax.Array
+    done: jax.Array
+    caches: dict
+    mtp_cache: MLACache | None
+    draft: jax.Array
+    draft_hidden: jax.Array | None
+    draft_probs: jax.Array | None
+    key: jax.Array
+    rounds: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    accepted_at: jax.Array
+    steps: jax.Array
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    """tokens: the new tokens of each prompt (up to and including EOS). stats: see `_stats`."""
+
+    tokens: list[list[int]]
+    stats: dict
+
+
+def _apply(static: Static, params, *args, absorbed: bool, method):
+    return module(static.config, static.dtype, absorbed).apply({"params": params}, *args, method=method)
+
+
+def _main(static, params, tokens, positions, caches, absorbed):
+    """-> (logits [B, T, V] f32, post-norm hidden [B, T, D], caches)."""
+    return _apply(static, params, tokens, positions, caches, absorbed=absorbed, method=DeepseekV3.__call__)
+
+
+def _mtp(static, params, hidden, next_tokens, positions, cache, absorbed):
+    """-> (logits [B, T, V] f32, MTP hidden [B, T, D], cache)."""
+    return _apply(static, params, hidden, next_tokens, positions, cache, absorbed=absorbed,
+                  method=DeepseekV3.mtp_step)
+
+
+def _empty_caches(static: Static, batch: int):
+    c = static.config
+    groups = {"dense": c.num_dense_layers, "moe": c.num_moe_layers}
+    return {g: MLACache.zeros(c, n, batch, static.cache_len, static.dtype) for g, n in groups.items() if n}
+
+
+def _row_gather(x, index):
+    """x [B, T, ...], index [B] -> x[b, index[b]] [B, ...]."""
+    return jnp.take_along_axis(x, index.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+
+def _finish(new_tokens, produced, count, limits, eos):
+    """How many of a row's `produced` new tokens [B, T] to keep, and whether the row is now done:
+    cut at max_new_tokens and just after an EOS."""
+    slot = jnp.arange(new_tokens.shape[1])
+    is_eos = (new_tokens == eos) & (slot < produced[:, None])
+    first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, produced)
+    kept = jnp.minimum(jnp.minimum(produced, first_eos), limits - count)
+    return kept, is_eos.any(axis=1) | (count + kept >= limits)
+
+
+def prefill(static: Static, params, prompt, lengths, limits, eos, sampling: SamplingParams, key, real):
+    """Main forward over the prompts, the first token, and (k > 0) the MTP first pass -> d1.
+
+    prompt [B, P] (right-padded), lengths [B], limits [B] (max new tokens), real [B] (False for
+    batch padding rows).
+    """
+    batch, width = prompt.shape
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), prompt.shape)
+    logits, hidden, caches = _main(static, params, prompt, positions, _empty_caches(static, batch), absorbed=False)
+    last = lengths - 1
+    key, token_key, draft_key = jax.random.split(key, 3)
+    first, _ = choose(token_key, _row_gather(logits, last), static.mode, sampling)
+    seq = jnp.zeros((batch, static.cache_len + static.k + 1), jnp.int32).at[:, :width].set(prompt)
+    seq = seq.at[jnp.arange(batch), lengths].set(first)
+    kept, done = _finish(first[:, None], jnp.ones_like(lengths), jnp.zeros_like(lengths), limits, eos)
+    state = DecodeState(seq=seq, n=lengths, count=kept * real, done=done | ~real, caches=caches, mtp_cache=None,
+                        draft=jnp.zeros_like(lengths), draft_hidden=None, draft_probs=None, key=key,
+                        rounds=jnp.zeros_like(lengths), drafted=jnp.zeros_like(lengths),
+                        accepted=jnp.zeros_like(lengths), accepted_at=jnp.zeros((batch, static.k), jnp.int32),
+                        steps=jnp.ones((), jnp.int32))
+    if static.k == 0:
+        return state
+    # MTP slot p pairs h_p with t_{p+1}; the slot of the last prompt token pairs it with `first`.
+    mtp_cache = MLACache.zeros(static.config, None, batch, static.cache_len, static.dtype)
+    mtp_logits, z, mtp_cache = _mtp(static, params, hidden, seq[:, 1:width + 1], positions, mtp_cache, absorbed=False)
+    draft, draft_probs = choose(draft_key, _row_gather(mtp_logits, last), static.mode, sampling)
+    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=_row_gather(z, last), draft_probs=draft_probs)
+
+
+def _draft_rest(static, params, state: DecodeState, sampling, key):
+    """d2..dk: the MTP layer re-run on its own output hidden state, one position further each time.
+
+    Returns (drafts [B, k], their distributions [B, k, V] or None, MTP cache)."""
+
+    def step(carry, step_key):
+        token, hidden, position, cache = carry
+        logits, z, cache = _mtp(static, params, hidden[:, None], token[:, None], position[:, None], cache,
+                                absorbed=True)
+        token, probs = choose(step_key, logits[:, 0], static.mode, sampling)
+        return (token, z[:, 0], position + 1, cache), (token, probs)
+
+    carry = (state.draft, state.draft_hidden, state.n, state.mtp_cache)
+    (_, _, _, cache), (tokens, probs) = jax.lax.scan(step, carry, jax.random.split(key, static.k - 1))
+    drafts = jnp.concatenate([state.draft[:, None], tokens.T], axis=1)
+    if static.mode.greedy:
+        return drafts, None, cache
+    return drafts, jnp.concatenate([state.draft_probs[:, None], jnp.moveaxis(probs, 0, 1)], axis=1), cache
+
+
+def decode_round(static: Static, params, state: DecodeState, limits, eos, sampling: SamplingParams) -> DecodeState:
+    """One round for every row: draft (k > 0), verify in one main forward, accept, commit, repair."""
+    k, batch = static.k, state.n.shape[0]
+    key, draft_key, verify_key, next_key = jax.random.split(state.key, 4)
+    t_n = _row_gather(state.seq, state.n)
+    if k:
+        drafts, draft_probs, mtp_cache = _draft_rest(static, params, state, sampling, draft_key)
+    else:
+        vocab = static.config.vocab_size
+        drafts, draft_probs, mtp_cache = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, vocab)), None
+    tokens = jnp.concatenate([t_n[:, None], drafts], axis=1)  # [B, k+1]
+    positions = state.n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    logits, hidden, caches = _main(static, params, tokens, positions, state.caches, absorbed=True)
+    if static.mode.greedy:
+        accepted, after = verify_greedy(drafts, logits)
+    else:
+        accepted, after = verify_sampled(verify_key, drafts, draft_probs, logits, static.mode, sampling)
+    slot = jnp.arange(k + 1)
+    new_tokens = jnp.where(slot < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), after[:, None])
+    active = ~state.done
+    kept, finished = _finish(new_tokens, accepted + 1, state.count, limits, eos)
+    kept = kept * active
+    write_at = jnp.where(slot < kept[:, None], positions + 1, state.seq.shape[1])
+    state = state.replace(
+        seq=state.seq.at[jnp.arange(batch)[:, None], write_at].set(new_tokens, mode="drop"),
+        n=state.n + kept, count=state.count + kept, done=state.done | finished, caches=caches, key=key,
+        rounds=state.rounds + active, drafted=state.drafted + k * active,
+        accepted=state.accepted + accepted * active,
+        accepted_at=state.accepted_at + (slot[:k] < accepted[:, None]) * active[:, None], steps=state.steps + 1)
+    if k == 0:
+        return state
+    # Repair: MTP slots n..n+k from the verified hidden states; slot n+a yields the next d1.
+    mtp_logits, z, mtp_cache = _mtp(static, params, hidden, new_tokens, positions, mtp_cache, absorbed=True)
+    draft, probs = choose(next_key, _row_gather(mtp_logits, accepted), static.mode, sampling)
+    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=_row_gather(z, accepted), draft_probs=probs)
+
+
+@partial(jax.jit, static_argnums=0)
+def _generate(static: Static, params, prompt, lengths, limits, eos, sampling, key, real):
+    TRACES[(static, prompt.shape)] += 1
+    state = prefill(static, params, prompt, lengths, limits, eos, sampling, key, real)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                               lambda s: decode_round(static, params, s, limits, eos, sampling), state)
+    return state.seq, state.count, state.rounds, state.drafted, state.accepted, state.accepted_at, state.steps
+
+
+def bucket(n: int, smallest: int) -> int:
+    """The padded size for n: a power of two >= smallest, then multiples of 1024 past 1024."""
+    if n > 1024:
+        return -(-n // 1024) * 1024
+    return max(smallest, 1 << (n - 1).bit_length())
+
+
+def _check_arguments(model: Model, prompts, max_new_tokens, temperature, top_k, top_p, speculative_k):
+    c = model.config
+    if not prompts or not all(len(p) for p in prompts):
+        raise ValueError("prompts: expected a non-empty list of non-empty token-id lists")
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= int(t) < c.vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}]: token id {bad[0]} outside the vocabulary [0, {c.vocab_size})")
+        if len(p) >= c.max_position_embeddings:
+            raise ValueError(f"prompts[{i}]: {len(p)} tokens leave no room for a new one within "
+                             f"max_position_embeddings = {c.max_position_embeddings}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, found {max_new_tokens}")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"sampling: expected temperature >= 0, top_k >= 0, 0 < top_p <= 1; found "
+                         f"temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    if not 0 <= speculative_k <= MAX_SPECULATIVE_K:
+        raise ValueError(f"speculative_k: expected 0..{MAX_SPECULATIVE_K}, found {speculative_k}")
+    if speculative_k and not c.has_mtp:
+        raise ValueError("speculative_k > 0 needs an MTP module; this model has num_nextn_predict_layers = 0")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A padded batch ready for `_generate(static, *args)`; n = number of real prompts."""
+
+    static: Static
+    args: tuple
+    n: int
+    lengths: np.ndarray
+
+
+def prepare(model: Model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+            top_p: float = 1.0, speculative_k: int = 0, eos_token_id: int | None = None, seed: int = 0) -> Prepared:
+    """Checks the arguments and pads the batch to its buckets (see `generate`)."""
+    _check_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p, speculative_k)
+    c, k, n = model.config, speculative_k, len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    batch, width = bucket(n, 1), bucket(int(lengths.max()), 16)
+    limits = np.minimum(max_new_tokens, c.max_position_embeddings - lengths)
+    cache_len = max(width, bucket(int((lengths + limits).max()) + k + 1, 64))
+    prompt = np.zeros((batch, width), np.int32)
+    for i, p in enumerate(prompts):
+        prompt[i, :len(p)] = p
+    pad = batch - n
+    lengths = np.concatenate([lengths, np.ones(pad, np.int32)])
+    limits = np.concatenate([limits, np.ones(pad, np.int32)]).astype(np.int32)
+    real = np.arange(batch) < n
+    static = Static(c, model.dtype, k, SamplingMode.of(temperature, top_k, top_p), cache_len)
+    sampling = SamplingParams(jnp.float32(max(temperature, 1e-6)), jnp.int32(max(top_k, 1)), jnp.float32(top_p))
+    eos = jnp.int32(-1 if eos_token_id is None else eos_token_id)
+    args = (model.params, prompt, lengths, limits, eos, sampling, jax.random.key(seed), real)
+    return Prepared(static, args, n, lengths)
+
+
+def generate(model: Model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, speculative_k: int = 0, eos_token_id: int | None = None,
+             seed: int = 0) -> GenerationOutput:
+    """Generates up to max_new_tokens for each prompt, in one jitted loop.
+
+    Args:
+      prompts: token-id lists, any lengths.
+      temperature: 0 = greedy (top_k / top_p then unused).
+      top_k: 0 = off. top_p: 1.0 = off.
+      speculative_k: drafts per round from the MTP module (0 = plain decoding, up to 8). Greedy
+        output is identical to plain greedy; sampled output has the same distribution.
+      eos_token_id: a row stops after emitting it.
+    A row also stops at max_position_embeddings tokens in all.
+    """
+    prepared = prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, speculative_k, eos_token_id, seed)
+    return unpack(prepared, _generate(prepared.static, *prepared.args))
+
+
+def timed_generate(model: Model, prompts, repeats: int = 1, **kwargs) -> tuple[GenerationOutput, float, list[float]]:
+    """`generate` compiled ahead of time, so that compiling and running are timed apart.
+
+    Returns (output, compile seconds, seconds of each of `repeats` runs of the compiled loop).
+    """
+    prepared = prepare(model, prompts, **kwargs)
+    start = time.perf_counter()
+    run = _generate.lower(prepared.static, *prepared.args).compile()
+    compile_seconds = time.perf_counter() - start
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(run(*prepared.args))
+        seconds.append(time.perf_counter() - start)
+    return unpack(prepared, out), compile_seconds, seconds
+
+
+def unpack(prepared: Prepared, out) -> GenerationOutput:
+    """`_generate`'s arrays -> the real rows' new tokens and the stats."""
+    seq, count, rounds, drafted, accepted, accepted_at, steps = jax.device_get(out)
+    n, lengths = prepared.n, prepared.lengths
+    tokens = [seq[i, lengths[i]:lengths[i] + count[i]].tolist() for i in range(n)]
+    return GenerationOutput(tokens, _stats(rounds[:n], drafted[:n], accepted[:n], accepted_at[:n], int(steps)))
+
+
+def _ratios(rounds, drafted, accepted, accepted_at) -> dict:
+    return {
+        "acceptance_rate": float(accepted / drafted) if drafted else 0.0,
+        "mean_accepted_length": float(1 + accepted / rounds) if rounds else 1.0,
+        "per_position_acceptance": [float(a / rounds) if rounds else 0.0 for a in accepted_at],
+        "draft_tokens": int(drafted),
+        "accepted_tokens": int(accepted),
+    }
+
+
+def _stats(rounds, drafted, accepted, accepted_at, steps) -> dict:
+    """acceptance_rate = accepted / drafted; mean_accepted_length = tokens per verify round
+    (1 + accepted / rounds); per_position_acceptance[i] = share of rounds whose draft i+1 was
+    accepted; main_forward_passes counts the prefill. Overall, and per row under "per_row" (a row's
+    passes are the prefill plus the rounds it was still running; the batch's are all rounds)."""
+    overall = _ratios(rounds.sum(), drafted.sum(), accepted.sum(), accepted_at.sum(axis=0))
+    overall["main_forward_passes"] = steps
+    overall["per_row"] = [dict(_ratios(r, d, a, at), main_forward_passes=int(1 + r))
+                          for r, d, a, at in zip(rounds, drafted, accepted, accepted_at)]
+    return overall

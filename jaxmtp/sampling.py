@@ -1,0 +1,75 @@
+"""Choosing tokens from logits: greedy, or sampling after temperature, top-k and top-p.
+
+The same transform gives the target distribution p and the draft distribution q in speculative
+sampling, which is what makes it exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMode:
+    """The static shape of the sampling transform (one compile each); the values are traced.
+
+    greedy: argmax of the raw logits (temperature 0); top_k / top_p: whether those filters run.
+    """
+
+    greedy: bool = True
+    top_k: bool = False
+    top_p: bool = False
+
+    @classmethod
+    def of(cls, temperature: float, top_k: int, top_p: float) -> "SamplingMode":
+        if temperature == 0:
+            return cls()
+        return cls(greedy=False, top_k=top_k > 0, top_p=top_p < 1.0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Traced scalars: temperature > 0, top_k >= 1 (when used), 0 < top_p <= 1."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+def probabilities(logits: jax.Array, mode: SamplingMode, params: SamplingParams) -> jax.Array:
+    """logits [..., V] -> the sampling distribution [..., V] (float32, sums to 1).
+
+    Temperature scaling, then top-k (keep logits >= the k-th largest), then top-p (keep the most
+    probable tokens until their cumulative probability reaches top_p; ties at the edge stay).
+    """
+    logits = logits.astype(jnp.float32) / params.temperature
+    if mode.top_k:
+        descending = -jnp.sort(-logits, axis=-1)
+        kth = jnp.take(descending, params.top_k - 1, axis=-1)[..., None]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if mode.top_p:
+        descending = -jnp.sort(-probs, axis=-1)
+        before = jnp.cumsum(descending, axis=-1) - descending  # mass of the more probable tokens
+        smallest_kept = jnp.min(jnp.where(before < params.top_p, descending, jnp.inf), axis=-1, keepdims=True)
+        probs = jnp.where(probs >= smallest_kept, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def draw(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per row from probs [..., V] -> [...] int32."""
+    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def choose(key: jax.Array, logits: jax.Array, mode: SamplingMode, params: SamplingParams):
+    """Picks a token per row. logits [..., V] -> (tokens [...], the distribution drawn from [..., V],
+    or None when greedy)."""
+    if mode.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    probs = probabilities(logits, mode, params)
+    return draw(key, probs), probs

@@ -1,0 +1,129 @@
+"""jaxmtp.generate: speculative greedy == plain greedy, acceptance statistics, one compile per bucket."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import generation_models as gm
+import jaxmtp
+from jaxmtp.generation import TRACES, _generate, prepare
+
+MAX_NEW = 12
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(["partial", "always", "never", "random"]), k=st.integers(1, 4),
+       prompts=st.lists(st.lists(st.integers(0, gm.TINY.vocab_size - 1), min_size=1, max_size=12),
+                        min_size=1, max_size=8),
+       use_eos=st.booleans())
+def test_speculative_greedy_is_plain_greedy(kind, k, prompts, use_eos):
+    model = gm.model(kind)
+    plain = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW)
+    eos = None
+    if use_eos:  # a token that really occurs mid-way through the first row's output
+        eos = plain.tokens[0][len(plain.tokens[0]) // 2]
+        plain = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW, eos_token_id=eos)
+        assert plain.tokens[0][-1] == eos and len(plain.tokens[0]) <= MAX_NEW
+    spec = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW, speculative_k=k, eos_token_id=eos)
+    assert spec.tokens == plain.tokens
+    assert all(len(row) == MAX_NEW for row in plain.tokens if eos is None)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_acceptance_stats_of_always_and_never_agreeing_mtp(k):
+    prompts = [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16]]
+    new = 20
+    always = jaxmtp.generate(gm.model("always"), prompts, max_new_tokens=new, speculative_k=k).stats
+    assert always["acceptance_rate"] == 1.0
+    assert always["mean_accepted_length"] == k + 1
+    assert always["per_position_acceptance"] == [1.0] * k
+    # The prefill makes the first token; each later round commits k + 1.
+    assert always["main_forward_passes"] == 1 + math.ceil((new - 1) / (k + 1))
+    assert [row["main_forward_passes"] for row in always["per_row"]] == [1 + math.ceil((new - 1) / (k + 1))] * 3
+    assert always["accepted_tokens"] == always["draft_tokens"]
+    never = jaxmtp.generate(gm.model("never"), prompts, max_new_tokens=new, speculative_k=k).stats
+    assert never["acceptance_rate"] == 0.0 and never["accepted_tokens"] == 0
+    assert never["mean_accepted_length"] == 1.0
+    assert never["main_forward_passes"] == new
+    assert never["draft_tokens"] == 3 * (new - 1) * k
+
+
+def test_rows_accept_different_counts():
+    prompts = [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16], [100, 200]]
+    out = jaxmtp.generate(gm.model("partial"), prompts, max_new_tokens=24, speculative_k=3)
+    per_row = [row["mean_accepted_length"] for row in out.stats["per_row"]]
+    assert len(set(per_row)) > 1, per_row
+    assert 0.2 < out.stats["acceptance_rate"] < 0.95
+
+
+def test_one_trace_per_bucket_and_no_host_callbacks():
+    model = gm.model("partial")
+    before = sum(TRACES.values())
+    first = jaxmtp.generate(model, [list(range(1, 21))], max_new_tokens=64, speculative_k=2)
+    assert len(first.tokens[0]) == 64 and sum(TRACES.values()) == before + 1
+    # Another prompt length in the same bucket (17..32) and other limits reuse the compiled loop.
+    jaxmtp.generate(model, [list(range(5, 35))], max_new_tokens=40, speculative_k=2, eos_token_id=7)
+    assert sum(TRACES.values()) == before + 1
+    prepared = prepare(model, [list(range(1, 21))], max_new_tokens=64, speculative_k=2)
+    jaxpr = jax.make_jaxpr(_generate, static_argnums=0)(prepared.static, *prepared.args)
+    assert "callback" not in str(jaxpr) and "while" in str(jaxpr)
+
+
+def test_bad_arguments_fail_before_any_work():
+    model = gm.model("partial")
+    too_long = [[1] * model.config.max_position_embeddings]
+    with pytest.raises(ValueError, match=r"prompts\[0\]: 2048 tokens leave no room"):
+        jaxmtp.generate(model, too_long)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: token id 512 outside the vocabulary \[0, 512\)"):
+        jaxmtp.generate(model, [[1], [512]])
+    with pytest.raises(ValueError, match=r"speculative_k: expected 0..8, found 9"):
+        jaxmtp.generate(model, [[1]], speculative_k=9)
+    no_mtp = jaxmtp.Model(model.config.replace(num_nextn_predict_layers=0),
+                          {key: v for key, v in model.params.items() if key != "mtp"})
+    with pytest.raises(ValueError, match="needs an MTP module"):
+        jaxmtp.generate(no_mtp, [[1]], speculative_k=1)
+
+
+def test_generation_stops_at_max_position_embeddings():
+    model = gm.model("always")
+    model = jaxmtp.Model(model.config.replace(max_position_embeddings=40), model.params)
+    prompts = [[1] * 30, [2] * 10]
+    for k in (0, 2):
+        out = jaxmtp.generate(model, prompts, max_new_tokens=50, speculative_k=k)
+        assert [len(row) for row in out.tokens] == [10, 30]
+
+
+def test_generate_cli_prints_the_api_tokens(tmp_path, capsys):
+    from jaxmtp.cli import main
+
+    model = gm.model("partial")
+    jaxmtp.save(model, tmp_path / "m", format="hf")
+    main(["generate", "--model", str(tmp_path / "m"), "--tokens", "1,2,3;9,8", "--k", "2", "--max-new-tokens", "10",
+          "--ignore-eos", "--quiet"])
+    printed = capsys.readouterr().out
+    expected = jaxmtp.generate(model, [[1, 2, 3], [9, 8]], max_new_tokens=10).tokens
+    assert f"[1, 2, 3] -> {expected[0]}" in printed and f"[9, 8] -> {expected[1]}" in printed
+    assert "tokens/s" in printed and "acceptance rate" in printed
+
+
+def test_generate_cli_with_a_tokenizer(tmp_path, capsys):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxmtp.cli import main
+
+    model = gm.model("partial")
+    jaxmtp.save(model, tmp_path / "m", format="hf")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"] * 4, trainer)
+    tokenizer.save(str(tmp_path / "m" / "tokenizer.json"))
+    main(["generate", "def fib", "--model", str(tmp_path / "m"), "--k", "1", "--max-new-tokens", "6",
+          "--ignore-eos", "--quiet"])
+    ids = tokenizer.encode("def fib").ids
+    expected = tokenizer.decode(ids) + tokenizer.decode(jaxmtp.generate(model, [ids], max_new_tokens=6).tokens[0])
+    assert expected in capsys.readouterr().out

@@ -1,0 +1,87 @@
+"""Speculative sampling is exact: the first three tokens follow the model's own distribution.
+
+The reference distribution comes from full (uncached) forward passes over every possible prefix,
+transformed by a numpy temperature / top-k / top-p written from their definitions; the samples come
+from 20,480 rows of one `generate` call. A chi-square test compares them.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import generation_models as gm
+import jaxmtp
+
+VOCAB = 8
+CONFIG = gm.TINY.replace(vocab_size=VOCAB)
+PROMPT = [3, 1, 4, 1, 5]
+SAMPLES = 20_480
+NEW = 3
+
+
+def reference_transform(logits, temperature, top_k, top_p):
+    """[V] logits -> probabilities: /temperature; keep logits >= the k-th largest; keep the most
+    probable tokens until their cumulative probability reaches top_p (ties at the edge kept)."""
+    z = logits.astype(np.float64) / temperature
+    if top_k:
+        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1:
+        ranked = np.sort(p)[::-1]
+        last = np.searchsorted(np.cumsum(ranked), top_p)  # first index where the mass reaches top_p
+        p = np.where(p >= ranked[min(last, VOCAB - 1)], p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def exact_distribution(model, temperature, top_k, top_p):
+    """P(t1, t2, t3 | PROMPT) for all VOCAB^3 triples, from full forward passes."""
+    pairs = np.array(list(itertools.product(range(VOCAB), repeat=2)))
+    tokens = np.concatenate([np.tile(PROMPT, (len(pairs), 1)), pairs], axis=1)
+    logits, _ = model.forward(tokens)
+    logits = np.asarray(logits, np.float64)
+    n = len(PROMPT)
+    t = lambda row: reference_transform(row, temperature, top_k, top_p)  # noqa: E731
+    probs = np.zeros((VOCAB,) * 3)
+    p1 = t(logits[0, n - 1])
+    for row, (a, b) in enumerate(pairs):
+        probs[a, b] = p1[a] * t(logits[row, n])[b] * t(logits[row, n + 1])
+    return probs
+
+
+def chi_square_p_value(counts, expected):
+    """Pearson's test; cells expected below 5 are pooled into one."""
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("k, temperature, top_k, top_p", [
+    (0, 1.0, 0, 1.0),   # plain sampling, the baseline the speculative runs must match
+    (2, 1.0, 0, 1.0),
+    (2, 1.0, 3, 1.0),
+    (1, 0.8, 0, 0.8),   # k = 1 reaches the bonus token within three tokens; top-p
+])
+def test_first_three_tokens_follow_the_model(k, temperature, top_k, top_p):
+    model = gm.model("partial", CONFIG, head_scale=0.25)
+    out = jaxmtp.generate(model, [PROMPT] * SAMPLES, max_new_tokens=NEW, temperature=temperature, top_k=top_k,
+                          top_p=top_p, speculative_k=k, seed=17)
+    assert all(len(row) == NEW for row in out.tokens)
+    counts = np.zeros((VOCAB,) * 3)
+    np.add.at(counts, tuple(np.array(out.tokens).T), 1)
+    expected = exact_distribution(model, temperature, top_k, top_p) * SAMPLES
+    assert expected.sum() == pytest.approx(SAMPLES)
+    if top_k:  # nothing outside the top-k is ever produced
+        assert counts[expected == 0].sum() == 0
+    p_value = chi_square_p_value(counts.ravel(), expected.ravel())
+    assert p_value > 1e-3, p_value
+    if k:  # both the accept and the reject paths really ran
+        assert 0.05 < out.stats["acceptance_rate"] < 0.95, out.stats["acceptance_rate"]
