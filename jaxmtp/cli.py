@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmtp import DEMO_MODEL
+
 
 def _info(args):
     from jaxmtp.cache import bytes_per_token
@@ -62,23 +64,57 @@ def _prompts(args, tokenizer):
         return [[int(t) for t in row.split(",")] for row in args.tokens.split(";")]
     if tokenizer is None:
         raise SystemExit("this model has no tokenizer.json: pass token ids with --tokens 1,2,3")
-    if not args.prompt:
-        raise SystemExit("give a prompt (text) or --tokens")
-    return [tokenizer.encode(text).ids for text in args.prompt]
+    return [tokenizer.encode(text).ids for text in (args.prompt or ["def fibonacci(n):"])]
+
+
+def _tokenizer(model_dir):
+    """The model directory's tokenizer.json as a `tokenizers.Tokenizer`, or None."""
+    import os
+
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.exists(path):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def _bench(args):
+    import json
+
+    import jaxmtp
+    from jaxmtp import bench, data
+
+    model = jaxmtp.load(args.model, quiet=True)
+    if args.tokens:
+        prompts = _prompts(args, None)
+        source = "--tokens"
+    else:
+        tokenizer = _tokenizer(args.model)
+        if tokenizer is None:
+            raise SystemExit("this model has no tokenizer.json: pass prompts with --tokens")
+        held_out = data.encode(tokenizer, data.read(data.source_files()[1]))
+        prompts = data.prompts_from(held_out, args.prompts, args.prompt_len)
+        source = f"{args.prompts} held-out standard-library prompts of {args.prompt_len} tokens"
+    ks = [int(k) for k in args.ks.split(",")]
+    rows = bench.run(model, prompts, ks, args.max_new_tokens, args.repeats)
+    if args.json:
+        print(json.dumps({"model": args.model, "prompts": source, "max_new_tokens": args.max_new_tokens,
+                          "repeats": args.repeats, "platform": jax.devices()[0].platform, "rows": rows}, indent=2))
+    else:
+        print(f"{args.model}: {source}, batch 1, greedy, {args.max_new_tokens} new tokens each, "
+              f"{jax.devices()[0].platform}; median of {args.repeats} runs, compile excluded")
+        print(bench.table(rows))
+    if args.plot:
+        bench.plot(rows, args.plot)
 
 
 def _generate(args):
-    import os
-
     import jaxmtp
     from jaxmtp.generation import timed_generate
 
     model = jaxmtp.load(args.model, quiet=args.quiet)
-    tokenizer = None
-    if os.path.exists(os.path.join(args.model, "tokenizer.json")):
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
+    tokenizer = _tokenizer(args.model)
     prompts = _prompts(args, tokenizer)
     eos = None if args.ignore_eos else model.config.eos_token_id
     out, compile_s, (run_s,) = timed_generate(
@@ -99,6 +135,82 @@ def _generate(args):
               f"{s['mean_accepted_length']:.2f}, per position [{per_position}]")
     print(f"main forward passes {s['main_forward_passes']} (incl. prefill), drafts {s['draft_tokens']}, "
           f"accepted {s['accepted_tokens']}")
+
+
+def _plan(args):
+    import os
+
+    sizes = {"data": 1, "expert": 1, "tensor": 1}
+    for part in args.mesh.split(","):
+        name, value = part.split("=")
+        if name not in sizes:
+            raise SystemExit(f"--mesh: unknown axis {name!r}; use data, expert, tensor")
+        sizes[name] = int(value)
+    count = sizes["data"] * sizes["expert"] * sizes["tensor"]
+    # Emulate the mesh with host devices; XLA reads this when the backend starts, which is below.
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+    if jax.device_count() < count:
+        raise SystemExit(f"--mesh needs {count} devices; this process has {jax.device_count()}")
+    from jaxmtp.config import ModelConfig
+    from jaxmtp.plan import plan, report
+
+    figures = plan(ModelConfig.from_hf_config(args.config), **sizes, batch=args.batch, max_len=args.max_len,
+                   prompt_len=args.prompt_len or args.max_len // 2, k=args.k)
+    print(report(figures))
+
+
+def _train(args):
+    import dataclasses
+    import json
+    import os
+    import shutil
+    import sys
+
+    import jaxmtp
+    from jaxmtp import data
+    from jaxmtp.config import ModelConfig
+    from jaxmtp.train import TrainConfig, evaluate, train
+
+    os.makedirs(args.out, exist_ok=True)
+    train_texts, held_texts = (data.read(files) for files in data.source_files())
+    if args.mtp_only:
+        if not args.init:
+            raise SystemExit("--mtp-only needs --init PATH (the checkpoint whose MTP layer to fine-tune)")
+        from tokenizers import Tokenizer
+
+        model = jaxmtp.load(args.init, dtype="float32", quiet=args.quiet)
+        tokenizer = Tokenizer.from_file(os.path.join(args.init, "tokenizer.json"))
+    else:
+        config = ModelConfig.from_hf_config(args.config)
+        tokenizer = data.train_tokenizer(train_texts, config.vocab_size)
+        model = jaxmtp.init(config, seed=args.seed)
+    train_tokens, held_tokens = data.encode(tokenizer, train_texts), data.encode(tokenizer, held_texts)
+    print(f"data: {len(train_texts)} training files, {len(train_tokens):,} tokens; held out "
+          f"{', '.join(data.HELD_OUT_MODULES)}: {len(held_tokens):,} tokens")
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, learning_rate=args.lr,
+                      seed=args.seed, mtp_only=args.mtp_only)
+    before = evaluate(model, held_tokens, args.seq_len) if args.mtp_only else None
+    model, log = train(model, train_tokens, cfg, os.path.join(args.out, "train_log.jsonl"), quiet=args.quiet)
+    after = evaluate(model, held_tokens, args.seq_len)
+    jaxmtp.save(model, args.out, format="hf")
+    tokenizer.save(os.path.join(args.out, "tokenizer.json"))
+    record = {"command": "jaxmtp " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("jaxmtp") else None,
+              "train_config": dataclasses.asdict(cfg), "data": {
+                  "source": "Python standard library *.py (tests excluded)", "python": sys.version.split()[0],
+                  "training_files": len(train_texts), "training_tokens": int(len(train_tokens)),
+                  "held_out_modules": list(data.HELD_OUT_MODULES), "held_out_tokens": int(len(held_tokens))},
+              "final_losses": log[-1], "held_out": after, "held_out_before": before}
+    if args.init:
+        record["init"] = args.init
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump(record, f, indent=2, default=float)
+    for name, figures in (("before", before), ("after", after)):
+        if figures:
+            print(f"held out ({name}): main loss {figures['main_loss']:.3f} (perplexity {figures['main_perplexity']:.1f}, "
+                  f"top-1 {figures['main_top1']:.3f}), MTP loss {figures['mtp_loss']:.3f} (top-1 {figures['mtp_top1']:.3f}); "
+                  f"unigram baseline loss {figures['unigram_loss']:.3f} (perplexity {figures['unigram_perplexity']:.1f})")
+    if args.init is None and os.path.exists(args.out):
+        shutil.copy(args.config, os.path.join(args.out, "source_config.json"))
 
 
 def _convert(args):
@@ -131,8 +243,8 @@ def main(argv=None):
     fwd.set_defaults(run=_forward_demo)
 
     gen = sub.add_parser("generate", help="generate text with plain or MTP speculative decoding")
-    gen.add_argument("prompt", nargs="*", help="prompt text (needs the model's tokenizer.json)")
-    gen.add_argument("--model", required=True, help="checkpoint directory")
+    gen.add_argument("prompt", nargs="*", help='prompt text (needs the model\'s tokenizer.json); default "def fibonacci(n):"')
+    gen.add_argument("--model", default=DEMO_MODEL, help="checkpoint directory (default: the bundled demo model)")
     gen.add_argument("--tokens", help='token ids instead of text: "1,2,3", several prompts separated by ";"')
     gen.add_argument("--k", type=int, default=2, help="MTP drafts per round; 0 = plain decoding")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -143,6 +255,40 @@ def main(argv=None):
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos_token_id")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(run=_generate)
+
+    b = sub.add_parser("bench", help="plain vs speculative decoding side by side: tokens/s, speedup, acceptance")
+    b.add_argument("--model", default=DEMO_MODEL, help="checkpoint directory (default: the bundled demo model)")
+    b.add_argument("--tokens", help='prompts as token ids instead of held-out text: "1,2,3;4,5"')
+    b.add_argument("--prompts", type=int, default=8, help="number of held-out prompts")
+    b.add_argument("--prompt-len", type=int, default=32)
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--ks", default="1,2,3,4")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    b.add_argument("--plot", help="write acceptance-by-position and speedup-by-k plots to this PNG")
+    b.set_defaults(run=_bench)
+
+    pl = sub.add_parser("plan", help="per-device memory of speculative generation on a mesh (AOT compile, abstract shapes)")
+    pl.add_argument("--config", required=True, help="HF config.json (file or directory)")
+    pl.add_argument("--mesh", default="tensor=8", help="e.g. expert=8,tensor=8 (axes data, expert, tensor)")
+    pl.add_argument("--batch", type=int, default=8)
+    pl.add_argument("--max-len", type=int, default=4096, help="cache length in tokens")
+    pl.add_argument("--prompt-len", type=int, help="prompt bucket (default max-len / 2)")
+    pl.add_argument("--k", type=int, default=2)
+    pl.set_defaults(run=_plan)
+
+    tr = sub.add_parser("train", help="train a small DeepSeek-V3 + MTP on the standard library's source")
+    tr.add_argument("--out", required=True, help="output checkpoint directory (HF layout + tokenizer.json)")
+    tr.add_argument("--config", default="configs/demo.json", help="model config (HF config.json)")
+    tr.add_argument("--steps", type=int, default=1200)
+    tr.add_argument("--batch", type=int, default=16)
+    tr.add_argument("--seq-len", type=int, default=256)
+    tr.add_argument("--lr", type=float, default=3e-3)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--mtp-only", action="store_true", help="fine-tune only the MTP layer of --init")
+    tr.add_argument("--init", help="checkpoint to start from (with --mtp-only)")
+    tr.add_argument("--quiet", action="store_true")
+    tr.set_defaults(run=_train)
 
     conv = sub.add_parser("convert", help="rewrite a checkpoint (HF, DeepSeek mp-sharded or orbax) as HF or orbax")
     conv.add_argument("src", help="checkpoint directory")

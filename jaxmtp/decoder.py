@@ -52,7 +52,7 @@ class LayerStack(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, caches: MLACache | None = None):
-        scanned = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+        scanned = nn.scan(DecoderLayer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                           in_axes=(nn.broadcast, 0), length=self.num_layers,
                           metadata_params={nn.PARTITION_NAME: "layers"})
         layer = scanned(self.config, self.dtype, self.moe, self.absorbed, name="layers")

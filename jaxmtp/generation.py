@@ -150,22 +150,21 @@ def prefill(static: Static, params, prompt, lengths, limits, eos, sampling: Samp
 
 def _draft_rest(static, params, state: DecodeState, sampling, key):
     """d2..dk: the MTP layer re-run on its own output hidden state, one position further each time.
+    Unrolled (k <= 8): on CPU a `lax.scan` here costs more than the MTP steps themselves.
 
     Returns (drafts [B, k], their distributions [B, k, V] or None, MTP cache)."""
-
-    def step(carry, step_key):
-        token, hidden, position, cache = carry
+    token, hidden, cache = state.draft, state.draft_hidden, state.mtp_cache
+    tokens, probs = [token], [state.draft_probs]
+    for j, step_key in enumerate(jax.random.split(key, static.k - 1)):
+        position = state.n + j  # d_{j+2} comes from MTP slot n + j
         logits, z, cache = _mtp(static, params, hidden[:, None], token[:, None], position[:, None], cache,
                                 absorbed=True)
-        token, probs = choose(step_key, logits[:, 0], static.mode, sampling)
-        return (token, z[:, 0], position + 1, cache), (token, probs)
-
-    carry = (state.draft, state.draft_hidden, state.n, state.mtp_cache)
-    (_, _, _, cache), (tokens, probs) = jax.lax.scan(step, carry, jax.random.split(key, static.k - 1))
-    drafts = jnp.concatenate([state.draft[:, None], tokens.T], axis=1)
-    if static.mode.greedy:
-        return drafts, None, cache
-    return drafts, jnp.concatenate([state.draft_probs[:, None], jnp.moveaxis(probs, 0, 1)], axis=1), cache
+        token, p = choose(step_key, logits[:, 0], static.mode, sampling)
+        hidden = z[:, 0]
+        tokens.append(token)
+        probs.append(p)
+    drafts = jnp.stack(tokens, axis=1)
+    return drafts, (None if static.mode.greedy else jnp.stack(probs, axis=1)), cache
 
 
 def decode_round(static: Static, params, state: DecodeState, limits, eos, sampling: SamplingParams) -> DecodeState:
@@ -272,7 +271,14 @@ def prepare(model: Model, prompts, max_new_tokens: int = 64, temperature: float 
     static = Static(c, model.dtype, k, SamplingMode.of(temperature, top_k, top_p), cache_len)
     sampling = SamplingParams(jnp.float32(max(temperature, 1e-6)), jnp.int32(max(top_k, 1)), jnp.float32(top_p))
     eos = jnp.int32(-1 if eos_token_id is None else eos_token_id)
-    args = (model.params, prompt, lengths, limits, eos, sampling, jax.random.key(seed), real)
+    rows = (prompt, lengths, limits, real)
+    if model.mesh is not None:  # rows over the mesh's data axis
+        from jaxmtp.sharding import batch_sharding, place, replicated
+
+        rows = place(rows, tuple(batch_sharding(model.mesh, x.ndim) if batch % model.mesh.shape["data"] == 0
+                                 else replicated(model.mesh) for x in rows))
+    prompt, lengths_in, limits, real = rows
+    args = (model.params, prompt, lengths_in, limits, eos, sampling, jax.random.key(seed), real)
     return Prepared(static, args, n, lengths)
 
 
@@ -291,7 +297,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 64, temperature: float
     A row also stops at max_position_embeddings tokens in all.
     """
     prepared = prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, speculative_k, eos_token_id, seed)
-    return unpack(prepared, _generate(prepared.static, *prepared.args))
+    with model.mesh_context():
+        return unpack(prepared, _generate(prepared.static, *prepared.args))
 
 
 def timed_generate(model: Model, prompts, repeats: int = 1, **kwargs) -> tuple[GenerationOutput, float, list[float]]:
@@ -301,7 +308,8 @@ def timed_generate(model: Model, prompts, repeats: int = 1, **kwargs) -> tuple[G
     """
     prepared = prepare(model, prompts, **kwargs)
     start = time.perf_counter()
-    run = _generate.lower(prepared.static, *prepared.args).compile()
+    with model.mesh_context():
+        run = _generate.lower(prepared.static, *prepared.args).compile()
     compile_seconds = time.perf_counter() - start
     seconds = []
     for _ in range(repeats):
@@ -313,6 +321,10 @@ def timed_generate(model: Model, prompts, repeats: int = 1, **kwargs) -> tuple[G
 
 def unpack(prepared: Prepared, out) -> GenerationOutput:
     """`_generate`'s arrays -> the real rows' new tokens and the stats."""
+    if not all(x.is_fully_addressable for x in out):  # a mesh spanning several processes
+        from jax.experimental import multihost_utils
+
+        out = multihost_utils.process_allgather(out, tiled=True)
     seq, count, rounds, drafted, accepted, accepted_at, steps = jax.device_get(out)
     n, lengths = prepared.n, prepared.lengths
     tokens = [seq[i, lengths[i]:lengths[i] + count[i]].tolist() for i in range(n)]

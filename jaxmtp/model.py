@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 from typing import Any
@@ -87,6 +88,10 @@ class Model:
     params: Any
     mesh: Any = None
 
+    def mesh_context(self):
+        """`jax.set_mesh(mesh)` for the model's mesh (the MoE layers read it to run expert-parallel)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
     @property
     def dtype(self):
         return jnp.dtype(self.params["embed_tokens"]["weight"].dtype)
@@ -94,7 +99,8 @@ class Model:
     def forward(self, tokens) -> tuple[jax.Array, jax.Array]:
         """tokens [B, T] int -> (logits [B, T, V] float32, post-final-norm hidden [B, T, D])."""
         tokens = jnp.asarray(tokens, jnp.int32)
-        return _forward(self.config, self.dtype, self.params, tokens)
+        with self.mesh_context():
+            return _forward(self.config, self.dtype, self.params, tokens)
 
     def mtp_forward(self, hidden, next_tokens) -> jax.Array:
         """Teacher-forced MTP: slot p combines hidden[:, p] with Emb(next_tokens[:, p]) (= t_{p+1})
@@ -102,7 +108,8 @@ class Model:
         if not self.config.has_mtp:
             raise ValueError("mtp_forward: this model has no MTP module (num_nextn_predict_layers = 0)")
         next_tokens = jnp.asarray(next_tokens, jnp.int32)
-        return _mtp_forward(self.config, self.dtype, self.params, jnp.asarray(hidden, self.dtype), next_tokens)
+        with self.mesh_context():
+            return _mtp_forward(self.config, self.dtype, self.params, jnp.asarray(hidden, self.dtype), next_tokens)
 
 
 @partial(jax.jit, static_argnums=(0, 1))
@@ -118,7 +125,14 @@ def _mtp_forward(config, dtype, params, hidden, next_tokens):
     return logits
 
 
-def init(config: ModelConfig, seed: int = 0, dtype="float32") -> Model:
-    """Random parameters (normal(initializer_range) weights, unit norms, zero routing bias)."""
-    variables = jax.jit(partial(_init_variables, config, jnp.dtype(dtype)))(jax.random.key(seed))
-    return Model(config, nn.meta.unbox(variables)["params"])
+def init(config: ModelConfig, seed: int = 0, dtype="float32", mesh=None) -> Model:
+    """Random parameters (normal(initializer_range) weights, unit norms, zero routing bias).
+
+    With a mesh (`jaxmtp.make_mesh`), every parameter is created directly with its NamedSharding."""
+    fn = lambda key: nn.meta.unbox(_init_variables(config, jnp.dtype(dtype), key))["params"]  # noqa: E731
+    shardings = None
+    if mesh is not None:
+        from jaxmtp.sharding import param_shardings
+
+        shardings = param_shardings(config, abstract_params(config, dtype), mesh)
+    return Model(config, jax.jit(fn, out_shardings=shardings)(jax.random.key(seed)), mesh)

@@ -2,16 +2,18 @@
 
 DeepSeekMoE routes each token to `num_experts_per_tok` of `n_routed_experts` experts (sigmoid
 scores, a bias that steers selection only, group-limited top-k), runs them dropless by sorting the
-token copies by expert and calling a grouped matmul, and adds the always-on shared experts.
+token copies by expert and calling a grouped matmul, and adds the always-on shared experts. On a
+mesh with an `expert` or `tensor` axis the routed experts run expert-parallel in shard_map.
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.layers import Dtype, Linear, normal_init
-from jaxmtp.quant import as_dense
+from jaxmtp.quant import QuantizedWeight, as_dense
 
 
 class MLP(nn.Module):
@@ -74,9 +76,9 @@ class Router(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        weight = self.param("weight", normal_init(c.initializer_range, ("expert", "embed")),
+        weight = self.param("weight", normal_init(c.initializer_range, ("router", "embed")),
                             (c.n_routed_experts, c.hidden_size), self.dtype)
-        bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("expert",)),
+        bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("router",)),
                           (c.n_routed_experts,), jnp.float32)
         logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), weight.astype(jnp.float32))
         return route(logits, bias, c)
@@ -98,15 +100,68 @@ class Experts(nn.Module):
         up = self.param("up_proj", init(("expert", "expert_mlp", "embed")), (E, I, D), self.dtype)
         down = self.param("down_proj", init(("expert", "embed", "expert_mlp")), (E, D, I), self.dtype)
 
-        n, k = experts.shape
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # token copies grouped by expert
-        sorted_x = x[order // k]
-        sizes = jnp.bincount(flat, length=E)
-        h = nn.silu(grouped_matmul(sorted_x, gate, sizes)) * grouped_matmul(sorted_x, up, sizes)
-        y = grouped_matmul(h, down, sizes)
-        y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, D)  # back to token order
-        return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+        mesh = expert_parallel_mesh(c, gate)
+        if mesh is None and experts.size <= E:  # fewer token copies than experts: most groups empty
+            return gathered_experts(x, weights, experts, gate, up, down)
+        if mesh is None:
+            return local_experts(x, weights, experts, gate, up, down, first=0, num_experts=E)
+        return expert_parallel(mesh, x, weights, experts, gate, up, down, E)
+
+
+def gathered_experts(x, weights, experts, gate, up, down):
+    """Few tokens (decode): fetch each token's K experts' weights and apply them directly, which
+    avoids the sort/scatter of the grouped path. Same arguments and result as `local_experts`."""
+    w_gate, w_up, w_down = (as_dense(w, x.dtype)[experts] for w in (gate, up, down))  # [N, K, ., .]
+    h = nn.silu(jnp.einsum("nd,nkid->nki", x, w_gate)) * jnp.einsum("nd,nkid->nki", x, w_up)
+    y = jnp.einsum("nki,nkdi->nkd", h, w_down)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+
+
+def local_experts(x, weights, experts, gate, up, down, first, num_experts):
+    """The contribution of experts first..first+G-1 (G = gate.shape[0]) to every token.
+
+    x [N, D]; weights/experts [N, K]; gate/up [G, I, D], down [G, D, I] -> [N, D]. Token copies are
+    sorted so that those of these experts come first, grouped by expert; copies for other experts
+    fall past the groups and contribute zero.
+    """
+    n, k = experts.shape
+    local = (experts.reshape(-1) - first) % num_experts  # these experts -> 0..G-1
+    order = jnp.argsort(local, stable=True)
+    sizes = jnp.bincount(local, length=num_experts)[:gate.shape[0]]
+    sorted_x = x[order // k]
+    h = nn.silu(grouped_matmul(sorted_x, gate, sizes)) * grouped_matmul(sorted_x, up, sizes)
+    y = grouped_matmul(h, down, sizes)
+    y = jnp.where((jnp.arange(n * k) < sizes.sum())[:, None], y, 0)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back to token order
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+
+
+def expert_parallel_mesh(config: ModelConfig, gate):
+    """The context mesh (`jax.set_mesh`) when experts run expert/tensor-parallel, else None: needs
+    an expert or tensor axis > 1 that divides the expert count / intermediate size, and dense weights."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or isinstance(gate, QuantizedWeight):
+        return None
+    expert, tensor = mesh.shape.get("expert", 1), mesh.shape.get("tensor", 1)
+    if expert * tensor == 1 or config.n_routed_experts % expert or config.moe_intermediate_size % tensor:
+        return None
+    return mesh
+
+
+def expert_parallel(mesh, x, weights, experts, gate, up, down, num_experts):
+    """Experts split over the `expert` axis and their intermediate dim over `tensor`, in shard_map:
+    each device runs its own experts' slices on the token copies routed to them, and one psum over
+    (expert, tensor) brings every token's output back together (tokens stay split over `data`)."""
+    tokens = P("data") if x.shape[0] % mesh.shape.get("data", 1) == 0 else P()
+
+    def shard(x, weights, experts, gate, up, down):
+        first = jax.lax.axis_index("expert") * gate.shape[0]
+        out = local_experts(x, weights, experts, gate, up, down, first, num_experts)
+        return jax.lax.psum(out, ("expert", "tensor"))
+
+    return jax.shard_map(shard, mesh=mesh, out_specs=tokens,
+                         in_specs=(tokens, tokens, tokens, P("expert", "tensor"), P("expert", "tensor"),
+                                   P("expert", None, "tensor")))(x, weights, experts, gate, up, down)
 
 
 class MoE(nn.Module):
@@ -125,6 +180,9 @@ class MoE(nn.Module):
     def __call__(self, x):
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.gate(flat)
+        # Tokens per expert, for the aux-loss-free bias update in training (kept only when the
+        # "intermediates" collection is mutable).
+        self.sow("intermediates", "expert_load", jnp.bincount(experts.reshape(-1), length=self.config.n_routed_experts))
         out = self.experts(flat, weights, experts).reshape(x.shape)
         if self.config.n_shared_experts:
             out = out + self.shared_experts(x)

@@ -15,7 +15,7 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
     Args:
       path: the directory.
       dtype: parameter dtype; default the one the checkpoint declares.
-      mesh: reserved for sharded placement; only None is accepted for now.
+      mesh: a `jaxmtp.make_mesh` mesh: every parameter is placed with its NamedSharding.
       quantized: for FP8 checkpoints, "keep" (e4m3fn values + block scales, dequantized on the fly
         in each matmul) or "dequantize" (dense `dtype` weights).
       check_finite: raise CheckpointError on NaN/Inf in any tensor.
@@ -24,13 +24,11 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
-    if mesh is not None:
-        raise ValueError("load: mesh placement is not implemented yet; pass mesh=None")
     if quantized not in ("keep", "dequantize"):
         raise ValueError(f"quantized: expected 'keep' or 'dequantize', found {quantized!r}")
     if os.path.exists(os.path.join(path, ORBAX_META)):
-        return load_orbax(path, dtype, quantized)
-    return load_hf(path, dtype, quantized, check_finite, quiet)
+        return load_orbax(path, dtype, quantized, mesh)
+    return load_hf(path, dtype, quantized, check_finite, quiet, mesh)
 
 
 def save(model, path, format="hf", max_shard_bytes=4 << 30):

@@ -68,7 +68,7 @@ def default_dtype(directory: str):
 
 
 def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_finite: bool = False,
-            quiet: bool = False) -> Model:
+            quiet: bool = False, mesh=None) -> Model:
     """Loads an HF-layout or DeepSeek-converted checkpoint into a Model.
 
     Args:
@@ -76,6 +76,7 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
       quantized: for FP8 checkpoints, "keep" holds QuantizedWeight (e4m3fn values + float32 block
         scales) and "dequantize" produces dense `dtype` arrays.
       check_finite: reject NaN/Inf in any tensor.
+      mesh: place every parameter with its NamedSharding, each device receiving only its slice.
     Every tensor the config implies must be present with its exact shape and dtype, and every
     tensor in the files must be one the model uses; anything else raises CheckpointError.
     """
@@ -113,7 +114,11 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
     if missing:
         raise CheckpointError(f"{directory}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
     _check_copies(copy_values, copies, buffers)
-    return Model(config, _to_device(buffers))
+    if mesh is None:
+        return Model(config, _to_device(buffers))
+    from jaxmtp.sharding import param_shardings, place
+
+    return Model(config, place(buffers, param_shardings(config, target, mesh)), mesh)
 
 
 class _Placer:

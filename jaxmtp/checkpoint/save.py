@@ -72,20 +72,26 @@ def save_orbax(model, path: str):
         checkpointer.save(os.path.join(path, "params"), model.params)
 
 
-def load_orbax(path: str, dtype=None, quantized: str = "dequantize"):
-    """Restores a save_orbax directory; orbax casts the dense parameters to `dtype` as it reads.
-    FP8-kept weights stay QuantizedWeight with quantized="keep", else become dense `dtype`."""
+def load_orbax(path: str, dtype=None, quantized: str = "dequantize", mesh=None):
+    """Restores a save_orbax directory; orbax casts the dense parameters to `dtype` and, with a
+    mesh, places each parameter with its NamedSharding as it reads. FP8-kept weights stay
+    QuantizedWeight with quantized="keep", else become dense `dtype`."""
     path = os.path.abspath(path)
     config = ModelConfig.from_hf_config(path)
     with open(os.path.join(path, ORBAX_META)) as f:
         meta = json.load(f)
     dtype = jnp.dtype(dtype or meta["dtype"])
     target = abstract_params(config, dtype, keep_fp8=meta["quantized"])
+    if mesh is not None:
+        from jaxmtp.sharding import param_shardings
+
+        target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target,
+                              param_shardings(config, target, mesh))
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.join(path, "params"), target)
     if meta["quantized"] and quantized == "dequantize":
         params = jax.tree.map(lambda leaf: leaf.dequantize(dtype) if isinstance(leaf, QuantizedWeight) else leaf,
                               params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
         config = config.replace(quantization=None)
-    return Model(config, params)
+    return Model(config, params, mesh)
 

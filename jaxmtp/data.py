@@ -1,0 +1,73 @@
+"""Training text for the demo model: the Python standard library's own source, already on every
+machine that runs Python, and a byte-level BPE tokenizer trained on it.
+
+Test suites are left out; a fixed set of modules is held out for evaluation.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import numpy as np
+
+# Modules (files or packages at the top of the standard library) kept out of training.
+HELD_OUT_MODULES = ("bisect", "calendar", "csv", "difflib", "fnmatch", "fractions", "glob", "heapq", "json",
+                    "shlex", "statistics", "textwrap")
+END_OF_TEXT = "<|endoftext|>"
+_SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
+
+
+def source_files(root: str | None = None) -> tuple[list[str], list[str]]:
+    """-> (training files, held-out files): sorted *.py paths of the standard library, tests excluded."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    train, held_out = [], []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in _SKIPPED_DIRS)
+        for name in sorted(files):
+            if not name.endswith(".py") or name.startswith("test_"):
+                continue
+            path = os.path.join(directory, name)
+            top = os.path.relpath(path, root).split(os.sep)[0].removesuffix(".py")
+            (held_out if top in HELD_OUT_MODULES else train).append(path)
+    return train, held_out
+
+
+def read(files: list[str]) -> list[str]:
+    texts = []
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE (HF `tokenizers`); id 0 is END_OF_TEXT, which separates files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def encode(tokenizer, texts: list[str]) -> np.ndarray:
+    """All texts as one int32 stream, each followed by END_OF_TEXT."""
+    eos = tokenizer.token_to_id(END_OF_TEXT)
+    ids = [np.append(np.asarray(e.ids, np.int32), eos) for e in tokenizer.encode_batch(texts)]
+    return np.concatenate(ids).astype(np.int32)
+
+
+def windows(tokens: np.ndarray, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    """`batch` random windows of `length` consecutive tokens: [batch, length] int32."""
+    starts = rng.integers(0, len(tokens) - length, batch)
+    return np.stack([tokens[s:s + length] for s in starts])
+
+
+def prompts_from(tokens: np.ndarray, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens taken at evenly spaced offsets of a token stream."""
+    starts = np.linspace(0, len(tokens) - length - 1, count).astype(int)
+    return [tokens[s:s + length].tolist() for s in starts]

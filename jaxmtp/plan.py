@@ -1,0 +1,91 @@
+"""Will it fit? Per-device memory of speculative generation on a mesh, from abstract shapes only.
+
+Parameters (FP8 kept where the config is quantized) and the inputs are abstract arrays carrying
+their NamedShardings; the whole generation function (prefill + the speculative while_loop) is
+compiled ahead of time for that mesh, and XLA's own memory analysis gives the per-device figures.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.config import ModelConfig
+from jaxmtp.generation import Static, _generate, bucket
+from jaxmtp.model import abstract_params
+from jaxmtp.quant import QuantizedWeight
+from jaxmtp.sampling import SamplingMode, SamplingParams
+from jaxmtp.sharding import batch_sharding, make_mesh, param_shardings, replicated
+
+DEVICES = {"H200 (141 GB)": 141e9, "H100 (80 GB)": 80e9, "TPU v5p (95 GB)": 95e9, "TPU v6e (32 GB)": 32e9}
+
+
+def _per_device_bytes(array: jax.ShapeDtypeStruct) -> int:
+    return math.prod(array.sharding.shard_shape(array.shape)) * jnp.dtype(array.dtype).itemsize
+
+
+def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_len: int, k: int, dtype):
+    """(Static, abstract arguments of `_generate`) for greedy generation on `mesh`."""
+    keep = config.quantization is not None
+    params = abstract_params(config, dtype, keep_fp8=keep)
+    shardings = param_shardings(config, params, mesh)
+    params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings)
+    width = bucket(prompt_len, 16)
+    static = Static(config, jnp.dtype(dtype), k, SamplingMode(), max(width, max_len))
+    rows = batch_sharding(mesh, 1) if batch % mesh.shape["data"] == 0 else replicated(mesh)
+    matrix = batch_sharding(mesh, 2) if batch % mesh.shape["data"] == 0 else replicated(mesh)
+    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated(mesh))  # noqa: E731
+    args = (params, jax.ShapeDtypeStruct((batch, width), jnp.int32, sharding=matrix),
+            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows), jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows),
+            scalar(jnp.int32), SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32)),
+            jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh)),
+            jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rows))
+    return static, args
+
+
+def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, max_len: int, prompt_len: int,
+         k: int = 2, dtype=jnp.bfloat16) -> dict:
+    """Compiles speculative generation for the mesh and returns per-device byte counts."""
+    mesh = make_mesh(data, expert, tensor, jax.devices()[:data * expert * tensor])
+    static, args = abstract_inputs(config, mesh, batch, prompt_len, max_len, k, dtype)
+    leaves = jax.tree.leaves(args[0])
+    param_bytes = max(sum(_per_device_bytes(x) for x in leaves if d in x.sharding.device_set) for d in mesh.devices.flat)
+    fp8 = sum(w.value.size for w in jax.tree.leaves(args[0], is_leaf=lambda v: isinstance(v, QuantizedWeight))
+              if isinstance(w, QuantizedWeight))
+    layers = config.num_hidden_layers + config.num_nextn_predict_layers
+    rows_per_device = batch // data if batch % data == 0 else batch
+    cache_bytes = layers * rows_per_device * static.cache_len * config.cache_width * jnp.dtype(dtype).itemsize
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = _generate.lower(static, *args).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    return {"devices": data * expert * tensor, "mesh": {"data": data, "expert": expert, "tensor": tensor},
+            "batch": batch, "cache_len": static.cache_len, "prompt_len": args[1].shape[1], "k": k,
+            "parameter_bytes_per_device": int(param_bytes), "fp8_weights": int(fp8),
+            "cache_bytes_per_device": int(cache_bytes),
+            "xla_argument_bytes": int(memory.argument_size_in_bytes), "xla_output_bytes": int(memory.output_size_in_bytes),
+            "xla_temp_bytes": int(memory.temp_size_in_bytes), "compile_seconds": seconds}
+
+
+def report(figures: dict) -> str:
+    gb = lambda b: f"{b / 1e9:8.2f} GB"  # noqa: E731
+    m = figures["mesh"]
+    total = figures["xla_argument_bytes"] + figures["xla_temp_bytes"] + figures["xla_output_bytes"]
+    lines = [f"mesh data={m['data']} expert={m['expert']} tensor={m['tensor']} ({figures['devices']} devices), "
+             f"batch {figures['batch']}, cache {figures['cache_len']} tokens, prompt bucket {figures['prompt_len']}, "
+             f"k={figures['k']}; compiled in {figures['compile_seconds']:.0f} s",
+             f"parameters per device (largest):     {gb(figures['parameter_bytes_per_device'])}"
+             f"   ({figures['fp8_weights'] / 1e9:.1f} B weights kept FP8)",
+             f"MLA caches per device (main + MTP):  {gb(figures['cache_bytes_per_device'])}",
+             f"XLA arguments per device:            {gb(figures['xla_argument_bytes'])}",
+             f"XLA temporaries per device:          {gb(figures['xla_temp_bytes'])}",
+             f"XLA outputs per device:              {gb(figures['xla_output_bytes'])}",
+             f"total per device:                    {gb(total)}"]
+    for name, capacity in DEVICES.items():
+        lines.append(f"  fits {name}: {'yes' if total <= capacity else 'no'} ({100 * total / capacity:.0f}% of memory)")
+    return "\n".join(lines)
+

@@ -1,0 +1,87 @@
+"""Meshes and the one table that maps logical axis names to mesh axes.
+
+Every parameter carries logical axis names (see `jaxmtp.model.logical_axes`); RULES turns them
+into mesh axes: batch over `data`, attention heads / MLP and expert intermediates / vocabulary over
+`tensor`, routed experts over `expert`. Everything else (model width, latent ranks, the layer
+stacking axis, norms, the router, whose weights every token needs) is replicated.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxmtp.config import ModelConfig
+from jaxmtp.quant import QuantizedWeight
+
+AXES = ("data", "expert", "tensor")
+RULES = (
+    ("batch", "data"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert_mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("expert", "expert"),
+)
+
+
+def make_mesh(data: int = 1, expert: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A (data, expert, tensor) mesh with Auto axis types; the sizes must multiply to the device count."""
+    devices = jax.devices() if devices is None else devices
+    if data * expert * tensor != len(devices):
+        raise ValueError(f"make_mesh: data x expert x tensor = {data} x {expert} x {tensor} = "
+                         f"{data * expert * tensor}, but there are {len(devices)} devices")
+    return jax.make_mesh((data, expert, tensor), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Mesh PartitionSpec for an array with these logical axes; a dimension that the mesh axis
+    does not divide stays replicated."""
+    rules = dict(RULES)
+    out = []
+    for name, size in zip(logical, shape):
+        axis = rules.get(name)
+        out.append(axis if axis is not None and size % mesh.shape[axis] == 0 else None)
+    return PartitionSpec(*out)
+
+
+def param_shardings(config: ModelConfig, params, mesh: Mesh):
+    """NamedSharding for every leaf of `params` (abstract or real; QuantizedWeight leaves get one
+    for the values and one for the block scales, cut along the same axes where they divide)."""
+    from jaxmtp.model import logical_axes
+
+    axes = logical_axes(config)
+
+    def one(logical, leaf):
+        if isinstance(leaf, QuantizedWeight):
+            return QuantizedWeight(NamedSharding(mesh, spec(tuple(logical), leaf.value.shape, mesh)),
+                                   NamedSharding(mesh, spec(tuple(logical), leaf.scale.shape, mesh)), leaf.block)
+        return NamedSharding(mesh, spec(tuple(logical), leaf.shape, mesh))
+
+    return jax.tree.map(one, axes, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading (batch) axis over `data`, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec("data", *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_shapes(array: jax.Array) -> set[tuple[int, ...]]:
+    """The shapes of an array's per-device pieces."""
+    return {tuple(s.data.shape) for s in array.addressable_shards}
+
+
+def place(params, shardings):
+    """Host arrays -> global arrays, each device receiving only its own slice."""
+    def put(host, sharding):
+        host = np.asarray(host)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, params, shardings)
+

@@ -1,0 +1,73 @@
+"""Sharded models on 8 emulated CPU devices: same numbers and tokens as one device; real shards."""
+
+import jax
+import numpy as np
+import pytest
+
+import generation_models as gm
+import jaxmtp
+from jaxmtp.sharding import make_mesh, param_shardings, place, shard_shapes
+
+# Every sharded dimension divisible by 8: 8 heads, 8 experts, MLPs 128 / 32, vocab 512.
+CONFIG = gm.TINY.replace(num_attention_heads=8)
+MESHES = [(1, 1, 8), (1, 8, 1), (2, 2, 2), (8, 1, 1), (1, 2, 4)]
+PROMPTS = [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16], [100, 200], [9, 9, 9, 9], [1, 2], [300], [42, 43, 44]]
+
+
+@pytest.fixture(scope="module")
+def single():
+    return gm.model("partial", CONFIG)
+
+
+def _on_mesh(model, sizes):
+    mesh = make_mesh(*sizes)
+    return jaxmtp.Model(model.config, place(model.params, param_shardings(model.config, model.params, mesh)), mesh)
+
+
+@pytest.mark.parametrize("sizes", MESHES, ids=[f"data{d}_expert{e}_tensor{t}" for d, e, t in MESHES])
+def test_sharded_model_matches_single_device(single, sizes):
+    sharded = _on_mesh(single, sizes)
+    tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (8, 12))
+    expected, _ = single.forward(tokens)
+    logits, _ = sharded.forward(tokens)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=0, atol=1e-5)
+    for k in (0, 2):
+        want = jaxmtp.generate(single, PROMPTS, max_new_tokens=10, speculative_k=k).tokens
+        assert jaxmtp.generate(sharded, PROMPTS, max_new_tokens=10, speculative_k=k).tokens == want, k
+
+
+def test_parameters_are_sharded_by_the_rules():
+    mesh = make_mesh(data=1, expert=2, tensor=4)
+    model = jaxmtp.init(CONFIG, seed=0, mesh=mesh)
+    p, c = model.params, CONFIG
+    L, E, I, D = c.num_moe_layers, c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+    moe = p["moe_layers"]["layers"]
+    assert shard_shapes(moe["mlp"]["experts"]["gate_proj"]) == {(L, E // 2, I // 4, D)}  # experts / expert axis
+    assert shard_shapes(moe["mlp"]["experts"]["down_proj"]) == {(L, E // 2, D, I // 4)}
+    heads_out = c.num_attention_heads * c.qk_head_dim
+    assert shard_shapes(moe["self_attn"]["q_b_proj"]["weight"]) == {(L, heads_out // 4, c.q_lora_rank)}  # heads
+    assert shard_shapes(moe["self_attn"]["o_proj"]["weight"]) == {(L, D, c.num_attention_heads * c.v_head_dim // 4)}
+    assert shard_shapes(p["embed_tokens"]["weight"]) == {(c.vocab_size // 4, D)}  # vocab over tensor
+    assert shard_shapes(p["lm_head"]["weight"]) == {(c.vocab_size // 4, D)}
+    assert shard_shapes(moe["mlp"]["gate"]["weight"]) == {(L, E, D)}  # the router stays whole
+    assert shard_shapes(moe["mlp"]["shared_experts"]["up_proj"]["weight"]) == {(L, I // 4, D)}
+    dense = p["dense_layers"]["layers"]["mlp"]["gate_proj"]["weight"]
+    assert shard_shapes(dense) == {(c.num_dense_layers, c.intermediate_size // 4, D)}
+    assert len(dense.sharding.device_set) == 8
+    # init with a mesh draws the same numbers as without one
+    plain = jaxmtp.init(CONFIG, seed=0)
+    for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(model.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
+def test_load_places_shards(single, tmp_path, fmt):
+    jaxmtp.save(single, tmp_path / fmt, format=fmt)
+    mesh = make_mesh(data=2, expert=2, tensor=2)
+    loaded = jaxmtp.load(tmp_path / fmt, mesh=mesh, quiet=True)
+    assert loaded.mesh is mesh
+    experts = loaded.params["moe_layers"]["layers"]["mlp"]["experts"]["up_proj"]
+    L, E, I, D = experts.shape
+    assert shard_shapes(experts) == {(L, E // 2, I // 2, D)}
+    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(loaded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
