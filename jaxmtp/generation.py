@@ -101,7 +101,18 @@ def _mtp(static, params, hidden, next_tokens, positions, cache, absorbed):
 def _empty_caches(static: Static, batch: int):
     c = static.config
     groups = {"dense": c.num_dense_layers, "moe": c.num_moe_layers}
-    return {g: MLACache.zeros(c, n, batch, static.cache_len, static.dtype) for g, n in groups.items() if n}
+    return {g: _rows_over_data(MLACache.zeros(c, n, batch, static.cache_len, static.dtype), batch_axis=1)
+            for g, n in groups.items() if n}
+
+
+def _rows_over_data(cache: MLACache, batch_axis: int) -> MLACache:
+    """On a mesh (`jax.set_mesh`) whose data axis divides the batch, split the cache's rows over it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    data = 0 if mesh.empty else mesh.shape.get("data", 1)
+    if data <= 1 or cache.c_kv.shape[batch_axis] % data:
+        return cache
+    spec = jax.sharding.PartitionSpec(*([None] * batch_axis), "data")
+    return jax.lax.with_sharding_constraint(cache, spec)
 
 
 def _row_gather(x, index):
@@ -142,7 +153,7 @@ def prefill(static: Static, params, prompt, lengths, limits, eos, sampling: Samp
     if static.k == 0:
         return state
     # MTP slot p pairs h_p with t_{p+1}; the slot of the last prompt token pairs it with `first`.
-    mtp_cache = MLACache.zeros(static.config, None, batch, static.cache_len, static.dtype)
+    mtp_cache = _rows_over_data(MLACache.zeros(static.config, None, batch, static.cache_len, static.dtype), 0)
     mtp_logits, z, mtp_cache = _mtp(static, params, hidden, seq[:, 1:width + 1], positions, mtp_cache, absorbed=False)
     draft, draft_probs = choose(draft_key, _row_gather(mtp_logits, last), static.mode, sampling)
     return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=_row_gather(z, last), draft_probs=draft_probs)
