@@ -138,13 +138,16 @@ def local_experts(x, weights, experts, gate, up, down, first, num_experts):
 
 def expert_parallel_mesh(config: ModelConfig, gate):
     """The context mesh (`jax.set_mesh`) when experts run expert/tensor-parallel, else None: needs
-    an expert or tensor axis > 1 that divides the expert count / intermediate size, and dense weights."""
+    an expert or tensor axis > 1 that divides the expert count / intermediate size (in whole FP8
+    blocks for kept FP8 weights)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or isinstance(gate, QuantizedWeight):
+    if mesh.empty:
         return None
     expert, tensor = mesh.shape.get("expert", 1), mesh.shape.get("tensor", 1)
     if expert * tensor == 1 or config.n_routed_experts % expert or config.moe_intermediate_size % tensor:
         return None
+    if isinstance(gate, QuantizedWeight) and tensor > 1 and (config.moe_intermediate_size // tensor) % gate.block[0]:
+        return None  # a device's slice would cut through FP8 scale blocks
     return mesh
 
 
@@ -159,9 +162,12 @@ def expert_parallel(mesh, x, weights, experts, gate, up, down, num_experts):
         out = local_experts(x, weights, experts, gate, up, down, first, num_experts)
         return jax.lax.psum(out, ("expert", "tensor"))
 
-    return jax.shard_map(shard, mesh=mesh, out_specs=tokens,
-                         in_specs=(tokens, tokens, tokens, P("expert", "tensor"), P("expert", "tensor"),
-                                   P("expert", None, "tensor")))(x, weights, experts, gate, up, down)
+    def weight_spec(w, spec):  # FP8 weights: values and block scales are cut alike
+        return QuantizedWeight(spec, spec, w.block) if isinstance(w, QuantizedWeight) else spec
+
+    in_specs = (tokens, tokens, tokens, weight_spec(gate, P("expert", "tensor")), weight_spec(up, P("expert", "tensor")),
+                weight_spec(down, P("expert", None, "tensor")))
+    return jax.shard_map(shard, mesh=mesh, out_specs=tokens, in_specs=in_specs)(x, weights, experts, gate, up, down)
 
 
 class MoE(nn.Module):

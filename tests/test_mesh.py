@@ -71,3 +71,23 @@ def test_load_places_shards(single, tmp_path, fmt):
     assert shard_shapes(experts) == {(L, E // 2, I // 2, D)}
     for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(loaded.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp8_kept_experts_run_expert_parallel(tmp_path):
+    """FP8 values and block scales are cut together over the expert axis; logits equal one device."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    import hf_reference as ref
+
+    torch.manual_seed(0)
+    main = DeepseekV3ForCausalLM(DeepseekV3Config(**ref.FP8_CONFIG)).eval()
+    ref.randomize(main, 2)
+    ref.save_fp8(main, None, str(tmp_path))
+    single = jaxmtp.load(tmp_path, dtype="float32", quantized="keep", quiet=True)
+    sharded = jaxmtp.load(tmp_path, dtype="float32", quantized="keep", quiet=True, mesh=make_mesh(data=4, expert=2))
+    experts = sharded.params["moe_layers"]["layers"]["mlp"]["experts"]["gate_proj"]
+    assert {s[1] for s in shard_shapes(experts.value)} == {2} and {s[1] for s in shard_shapes(experts.scale)} == {2}
+    tokens = np.random.default_rng(1).integers(0, 96, (4, 16))
+    np.testing.assert_allclose(np.asarray(sharded.forward(tokens)[0]), np.asarray(single.forward(tokens)[0]),
+                               rtol=0, atol=1e-5)
