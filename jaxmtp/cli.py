@@ -209,7 +209,7 @@ def _train(args):
             print(f"held out ({name}): main loss {figures['main_loss']:.3f} (perplexity {figures['main_perplexity']:.1f}, "
                   f"top-1 {figures['main_top1']:.3f}), MTP loss {figures['mtp_loss']:.3f} (top-1 {figures['mtp_top1']:.3f}); "
                   f"unigram baseline loss {figures['unigram_loss']:.3f} (perplexity {figures['unigram_perplexity']:.1f})")
-    if args.init is None and os.path.exists(args.out):
+    if not args.mtp_only:
         shutil.copy(args.config, os.path.join(args.out, "source_config.json"))
 
 

@@ -111,7 +111,12 @@ class Experts(nn.Module):
 def gathered_experts(x, weights, experts, gate, up, down):
     """Few tokens (decode): fetch each token's K experts' weights and apply them directly, which
     avoids the sort/scatter of the grouped path. Same arguments and result as `local_experts`."""
-    w_gate, w_up, w_down = (as_dense(w, x.dtype)[experts] for w in (gate, up, down))  # [N, K, ., .]
+    def pick(w):  # [N, K, ., .]; FP8 weights: only the picked experts are dequantized
+        if isinstance(w, QuantizedWeight):
+            return QuantizedWeight(w.value[experts], w.scale[experts], w.block).dequantize(x.dtype)
+        return w[experts].astype(x.dtype)
+
+    w_gate, w_up, w_down = pick(gate), pick(up), pick(down)
     h = nn.silu(jnp.einsum("nd,nkid->nki", x, w_gate)) * jnp.einsum("nd,nkid->nki", x, w_up)
     y = jnp.einsum("nki,nkdi->nkd", h, w_down)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))

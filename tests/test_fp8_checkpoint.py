@@ -96,3 +96,14 @@ def test_scale_shape_mismatch(fp8, tmp_path):
     with pytest.raises(jaxmtp.CheckpointError,
                        match=r"kv_a_proj_with_mqa\.weight_scale_inv' has shape \[1, 2\], expected \[2, 2\]"):
         jaxmtp.load(d, quiet=True)
+
+
+def test_keep_generates_the_dequantized_models_tokens(fp8):
+    """Decoding gathers each token's experts; with FP8 kept, only those experts are dequantized,
+    with the same formula, so greedy tokens equal the dequantized model's."""
+    directory = fp8[0]
+    kept = jaxmtp.load(directory, dtype="float32", quantized="keep", quiet=True)
+    dense = jaxmtp.load(directory, dtype="float32", quantized="dequantize", quiet=True)
+    prompts = [[1, 2, 3], [50, 60]]
+    assert jaxmtp.generate(kept, prompts, max_new_tokens=8).tokens == jaxmtp.generate(dense, prompts,
+                                                                                     max_new_tokens=8).tokens
