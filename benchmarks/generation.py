@@ -1,7 +1,7 @@
 """Decoding speed on one model, side by side in one run.
 
-1. tokens/s of plain decoding and of MTP speculative decoding for k = 1..4, all in the one jitted
-   loop (compile excluded; median of --repeats runs), with acceptance figures;
+1. tokens/s of plain decoding and of MTP speculative decoding for k = 1..4 (`jaxmtp.bench.run`:
+   compile excluded, median of --repeats runs, each prompt alone), with acceptance figures;
 2. the jitted loop against a Python loop that calls a jitted prefill and a jitted decode round,
    checking on the host after each round whether every row is done (the per-step host round trip
    that engines built on Python loops pay).
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmtp
+from jaxmtp import bench
 from jaxmtp.generation import decode_round, prefill, prepare, timed_generate
 
 
@@ -59,19 +60,10 @@ def main() -> None:
     model = jaxmtp.load(args.model, quiet=True)
     prompts = [[int(t) for t in row.split(",")] for row in args.tokens.split(";")]
     kwargs = dict(max_new_tokens=args.max_new_tokens, eos_token_id=None)
-    print(f"model {args.model}: {len(prompts)} prompt(s), {args.max_new_tokens} new tokens each, greedy, "
-          f"{jax.devices()[0].platform}; median of {args.repeats} runs, compile excluded")
-    print(f"{'k':>3} {'tokens/s':>10} {'speedup':>8} {'accept':>7} {'mean len':>9} {'passes':>7}  per-position acceptance")
-    plain_tps, plain_tokens = None, None
-    for k in [0] + [int(k) for k in args.ks.split(",")]:
-        out, _, seconds = timed_generate(model, prompts, repeats=args.repeats, speculative_k=k, **kwargs)
-        tps = sum(len(t) for t in out.tokens) / statistics.median(seconds)
-        plain_tps, plain_tokens = (tps, out.tokens) if k == 0 else (plain_tps, plain_tokens)
-        assert out.tokens == plain_tokens, f"k={k}: speculative output differs from plain greedy"
-        s = out.stats
-        per_position = " ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
-        print(f"{k:>3} {tps:>10.1f} {tps / plain_tps:>7.2f}x {s['acceptance_rate']:>7.3f} "
-              f"{s['mean_accepted_length']:>9.2f} {s['main_forward_passes']:>7}  {per_position}")
+    print(f"model {args.model}: {len(prompts)} prompt(s), each alone (batch 1), {args.max_new_tokens} new tokens, "
+          f"greedy, {jax.devices()[0].platform}; median of {args.repeats} runs, compile excluded")
+    print(bench.table(bench.run(model, prompts, [int(k) for k in args.ks.split(",")], args.max_new_tokens,
+                                args.repeats)))
     for k in (0, 2):
         out, _, jitted = timed_generate(model, prompts, repeats=args.repeats, speculative_k=k, **kwargs)
         looped, tokens = python_loop_seconds(model, prompts, args.repeats, speculative_k=k, **kwargs)
