@@ -1,11 +1,12 @@
-"""One of two processes (4 CPU devices each) that form one 8-device mesh over loopback and
-generate; process 0 writes the tokens as JSON. Run by tests/test_multiprocess.py."""
+"""One of two processes (4 CPU devices each) that form one 8-device mesh over loopback, load a
+checkpoint onto it (each process reading only its devices' blocks) and generate; process 0 writes
+the tokens as JSON. Run by tests/test_multiprocess.py."""
 
 import json
 import os
 import sys
 
-process_id, port, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+process_id, port, model_dir, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
@@ -13,15 +14,13 @@ import jax  # noqa: E402
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
 
-import generation_models as gm  # noqa: E402
 import jaxmtp  # noqa: E402
-from jaxmtp.sharding import make_mesh, param_shardings, place  # noqa: E402
-from test_mesh import CONFIG, PROMPTS  # noqa: E402
+from jaxmtp.sharding import make_mesh  # noqa: E402
+from test_mesh import PROMPTS  # noqa: E402
 
 assert jax.device_count() == 8 and jax.local_device_count() == 4
 mesh = make_mesh(data=2, expert=2, tensor=2)
-single = gm.model("partial", CONFIG)
-model = jaxmtp.Model(CONFIG, place(single.params, param_shardings(CONFIG, single.params, mesh)), mesh)
+model = jaxmtp.load(model_dir, mesh=mesh, quiet=True)
 tokens = {k: jaxmtp.generate(model, PROMPTS, max_new_tokens=10, speculative_k=k).tokens for k in (0, 2)}
 if process_id == 0:
     with open(out_path, "w") as f:

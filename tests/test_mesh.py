@@ -1,8 +1,11 @@
 """Sharded models on 8 emulated CPU devices: same numbers and tokens as one device; real shards."""
 
+import collections
+
 import jax
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 import generation_models as gm
 import jaxmtp
@@ -91,3 +94,56 @@ def test_fp8_kept_experts_run_expert_parallel(tmp_path):
     tokens = np.random.default_rng(1).integers(0, 96, (4, 16))
     np.testing.assert_allclose(np.asarray(sharded.forward(tokens)[0]), np.asarray(single.forward(tokens)[0]),
                                rtol=0, atol=1e-5)
+
+
+def test_sharded_load_reads_only_each_devices_block(single, tmp_path, monkeypatch):
+    """On a mesh the loader reads each device's block on its own: reads of a split parameter cover
+    only that block, and over all reads each element of every layer tensor is read exactly once
+    (devices holding the same block share one read)."""
+    from jaxmtp.checkpoint import sharded
+
+    jaxmtp.save(single, tmp_path)
+    elements, shapes = collections.Counter(), collections.defaultdict(set)
+    original = sharded.TensorFiles.read
+
+    def spy(self, name, region=(), bar=None):
+        value = original(self, name, region, bar)
+        elements[name] += value.size
+        shapes[name].add(value.shape)
+        return value
+
+    monkeypatch.setattr(sharded.TensorFiles, "read", spy)
+    loaded = jaxmtp.load(tmp_path, mesh=make_mesh(data=2, expert=2, tensor=2), quiet=True)
+    c = CONFIG
+    sizes = {}
+    for file in tmp_path.glob("*.safetensors"):
+        with safe_open(str(file), framework="numpy") as f:
+            sizes.update({name: int(np.prod(f.get_slice(name).get_shape())) for name in f.keys()})
+    layer_tensors = [n for n in sizes if n.startswith("model.layers.") and "embed_tokens" not in n and "shared_head.head" not in n]
+    assert {n: elements[n] for n in layer_tensors} == {n: sizes[n] for n in layer_tensors}
+    gate = f"model.layers.{c.first_k_dense_replace}.mlp.experts.0.gate_proj.weight"
+    assert shapes[gate] == {(c.moe_intermediate_size // 2, c.hidden_size)}  # intermediate over tensor
+    q_b = "model.layers.0.self_attn.q_b_proj.weight"
+    assert shapes[q_b] == {(c.num_attention_heads * c.qk_head_dim // 2, c.q_lora_rank)}  # heads over tensor
+    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(loaded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp8_dequantized_on_a_mesh_cuts_through_scale_blocks(tmp_path):
+    """Tensor-parallel blocks of 64 rows start inside 128x128 scale blocks: each device's block is
+    dequantized with the scales covering it, equal to the single-device load bit for bit."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    import hf_reference as ref
+
+    torch.manual_seed(0)
+    main = DeepseekV3ForCausalLM(DeepseekV3Config(**ref.FP8_TP_CONFIG)).eval()
+    ref.randomize(main, 3)
+    ref.save_fp8(main, None, str(tmp_path))
+    single = jaxmtp.load(tmp_path, dtype="float32", quiet=True)
+    sharded = jaxmtp.load(tmp_path, dtype="float32", quiet=True, mesh=make_mesh(data=2, tensor=4))
+    experts = sharded.params["moe_layers"]["layers"]["mlp"]["experts"]["gate_proj"]
+    assert {s[2] for s in shard_shapes(experts)} == {ref.FP8_TP_CONFIG["moe_intermediate_size"] // 4}
+    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(sharded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -3,11 +3,13 @@ sharded) or DeepSeek's converted `model{rank}-mp{n}` layout; bf16/f32 tensors an
 weights with their `weight_scale_inv`.
 
 Tensors are read one at a time from memory-mapped files and placed straight into their slot of the
-stacked parameter buffers, so host memory holds the parameters plus one tensor in flight.
+stacked parameter buffers, so host memory holds the parameters plus one tensor in flight. With a
+mesh, each device's block is read on its own (`jaxmtp.checkpoint.sharded`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -20,7 +22,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jaxmtp.checkpoint import official
-from jaxmtp.checkpoint.names import expected_tensors, mtp_copy_names
+from jaxmtp.checkpoint.names import expected_tensors, hf_name, mtp_copy_names
+from jaxmtp.checkpoint.sharded import TensorFiles, load_onto_mesh
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import CheckpointError
 from jaxmtp.model import Model, abstract_params
@@ -91,10 +94,13 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
     target = abstract_params(config, dtype, keep_fp8=keep)
     expected = {name: rest for name, *rest in expected_tensors(target, config)}
     copies = mtp_copy_names(config)
+    files = ranks or checkpoint_files(directory)
+    if mesh is not None and not ranks:
+        return Model(config, _load_onto_mesh(files, target, expected, copies, config, keep, check_finite, quiet, mesh),
+                     mesh)
     buffers = jax.tree.map(lambda leaf: _aligned_empty(leaf.shape, leaf.dtype), target)
     placer = _Placer(buffers, keep, config)
     copy_values = {}
-    files = ranks or checkpoint_files(directory)
     with _progress(files, quiet) as bar:
         source = official.rank_tensors(files, expected, config, bar) if ranks else _tensors(files, bar)
         for count, (file, name, kind, value) in enumerate(source, 1):
@@ -102,23 +108,37 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
             if name in copies:
                 copy_values[name] = value
                 continue
-            if name not in expected:
-                raise CheckpointError(f"{file}: unexpected tensor {name!r} for this config "
-                                      f"({config.num_hidden_layers} layers, {config.n_routed_experts} experts, "
-                                      f"{config.num_nextn_predict_layers} MTP, "
-                                      f"{'FP8' if config.quantization else 'no'} quantization_config)")
-            path, index, shape, role = expected[name]
-            _check_tensor(file, name, kind, value, shape, role, check_finite)
+            _check_tensor(file, name, kind, value.shape, expected, config)
+            if check_finite and not np.isfinite(value.astype(np.float32)).all():
+                raise CheckpointError(f"{file}: tensor {name!r} contains NaN or Inf")
+            path, index, _, role = expected[name]
             placer.place(name, path, index, role, value)
-    missing = [name for name in expected if name not in placer.seen]
-    if missing:
-        raise CheckpointError(f"{directory}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
-    _check_copies(copy_values, copies, buffers)
+    _check_missing(directory, expected, placer.seen)
+    for name, value in copy_values.items():
+        _check_copy(name, copies[name], value, _leaf(buffers, copies[name]))
     if mesh is None:
         return Model(config, _to_device(buffers))
     from jaxmtp.sharding import param_shardings, place
 
     return Model(config, place(buffers, param_shardings(config, target, mesh)), mesh)
+
+
+def _load_onto_mesh(files, target, expected, copies, config, keep, check_finite, quiet, mesh):
+    """Checks every header, then reads each device's block of each parameter on its own."""
+    from jaxmtp.sharding import param_shardings
+
+    with contextlib.ExitStack() as stack:
+        tensors = TensorFiles(files, stack)
+        for name, (file, kind, shape) in tensors.where.items():
+            if name not in copies:
+                _check_tensor(file, name, kind, shape, expected, config)
+        _check_missing(os.path.dirname(files[0]), expected, tensors.where)
+        for name, path in copies.items():
+            if name in tensors.where:
+                _check_copy(name, path, tensors.read(name), tensors.read(hf_name(path, (), config)))
+        with _progress(files, quiet) as bar:
+            return load_onto_mesh(tensors, target, param_shardings(config, target, mesh), config, keep, check_finite,
+                                  bar)
 
 
 class _Placer:
@@ -169,25 +189,35 @@ def _tensors(files, bar):
                 yield file, name, kind, value
 
 
-def _check_tensor(file, name, kind, value, shape, role, check_finite):
+def _check_tensor(file, name, kind, shape, expected, config):
+    """A tensor the model uses, with the dtype its role allows and the shape config.json implies."""
+    if name not in expected:
+        raise CheckpointError(f"{file}: unexpected tensor {name!r} for this config "
+                              f"({config.num_hidden_layers} layers, {config.n_routed_experts} experts, "
+                              f"{config.num_nextn_predict_layers} MTP, "
+                              f"{'FP8' if config.quantization else 'no'} quantization_config)")
+    _, _, want, role = expected[name]
     if kind not in _DTYPES_BY_ROLE[role]:
         what = {"fp8": "an FP8 weight", "scale": "a block scale", "dense": "a dense tensor"}[role]
         raise CheckpointError(f"{file}: tensor {name!r} has dtype {kind}; as {what} it must be "
                               f"{' or '.join(_DTYPES_BY_ROLE[role])}")
-    if value.shape != shape:
-        raise CheckpointError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
-                              f"expected {list(shape)} from config.json")
-    if check_finite and not np.isfinite(value.astype(np.float32)).all():
-        raise CheckpointError(f"{file}: tensor {name!r} contains NaN or Inf")
+    if tuple(shape) != tuple(want):
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {list(shape)}, "
+                              f"expected {list(want)} from config.json")
 
 
-def _check_copies(copy_values, copies, buffers):
-    """The MTP layer's embedding/head copies are shared with the main model: warn if they differ."""
-    for name, value in copy_values.items():
-        main = _leaf(buffers, copies[name])
-        if value.shape != main.shape or not np.array_equal(value.astype(main.dtype), main):
-            warnings.warn(f"{name} differs from the main model's {'.'.join(copies[name])}; "
-                          "the main model's tensor is used for the MTP module", stacklevel=3)
+def _check_missing(directory, expected, seen):
+    missing = [name for name in expected if name not in seen]
+    if missing:
+        raise CheckpointError(f"{directory}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+
+
+def _check_copy(name, path, value, main):
+    """The MTP layer's embedding/head copies are shared with the main model (`main`, the tensor at
+    parameter `path`): warn if they differ."""
+    if value.shape != main.shape or not np.array_equal(value.astype(main.dtype), main):
+        warnings.warn(f"{name} differs from the main model's {'.'.join(path)}; "
+                      "the main model's tensor is used for the MTP module", stacklevel=4)
 
 
 def _aligned_empty(shape, dtype, alignment=64):
