@@ -113,7 +113,8 @@ def _generate(args):
     import jaxmtp
     from jaxmtp.generation import timed_generate
 
-    model = jaxmtp.load(args.model, quiet=args.quiet)
+    kept = {} if args.matmul is None else {"quantized": "keep", "matmul": args.matmul}
+    model = jaxmtp.load(args.model, quiet=args.quiet, **kept)
     tokenizer = _tokenizer(args.model)
     prompts = _prompts(args, tokenizer)
     eos = None if args.ignore_eos else model.config.eos_token_id
@@ -253,6 +254,9 @@ def main(argv=None):
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos_token_id")
+    gen.add_argument("--matmul", choices=("fp8", "dequant"),
+                     help="FP8 checkpoints: keep the weights in FP8 and multiply them with the W8A8 kernels (fp8) "
+                          "or dequantize them on the fly (dequant); default: dequantize at load")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(run=_generate)
 

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.quant import as_dense
+from jaxmtp.quant import linear
 
 Dtype = Any
 
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """y = x W^T with W stored [out_features, in_features], as in HF and the FP8 checkpoints.
 
-    The stored weight may be a QuantizedWeight; it is then dequantized on the fly."""
+    The stored weight may be a QuantizedWeight, multiplied as its `matmul` says (see jaxmtp.quant)."""
 
     in_features: int
     out_features: int
@@ -51,7 +51,7 @@ class Linear(nn.Module):
                                  (self.out_features, self.in_features), self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,oi->...o", x, as_dense(self.weight, x.dtype))
+        return linear(x, self.weight)
 
 
 class Embed(nn.Module):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.config import ModelConfig
-from jaxmtp.quant import QuantizedWeight, is_quantized_param, scale_shape
+from jaxmtp.quant import QuantizedWeight, is_quantized_param, scale_shape, with_matmul
 from jaxmtp.transformer import DeepseekV3
 
 
@@ -87,6 +87,11 @@ class Model:
     config: ModelConfig
     params: Any
     mesh: Any = None
+
+    def with_matmul(self, matmul: str) -> "Model":
+        """The same model with its FP8-kept weights multiplied by `matmul`: "fp8" (W8A8 block-scaled
+        GEMM kernels) or "dequant" (dequantized on the fly). Dense weights are unaffected."""
+        return dataclasses.replace(self, params=with_matmul(self.params, matmul))
 
     def mesh_context(self):
         """`jax.set_mesh(mesh)` for the model's mesh (the MoE layers read it to run expert-parallel)."""

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.layers import Dtype, Linear, normal_init
-from jaxmtp.quant import QuantizedWeight, as_dense
+from jaxmtp.quant import QuantizedWeight, grouped_linear
 
 
 class MLP(nn.Module):
@@ -58,15 +58,6 @@ def route(logits: jax.Array, bias: jax.Array, config: ModelConfig):
     return weights * c.routed_scaling_factor, experts
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Rows of x, sorted by group, times their group's weight. x [M, I], w [G, O, I] -> [M, O].
-
-    w may be a QuantizedWeight (dequantized on the fly)."""
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    return jax.lax.ragged_dot_general(x, as_dense(w, x.dtype), group_sizes, dims)
-
-
 class Router(nn.Module):
     """Gate: weight [E, D] and the float32 selection bias [E]. x [N, D] -> (weights, experts)."""
 
@@ -101,7 +92,8 @@ class Experts(nn.Module):
         down = self.param("down_proj", init(("expert", "embed", "expert_mlp")), (E, D, I), self.dtype)
 
         mesh = expert_parallel_mesh(c, gate)
-        if mesh is None and experts.size <= E:  # fewer token copies than experts: most groups empty
+        fp8 = isinstance(gate, QuantizedWeight) and gate.matmul == "fp8"  # the grouped FP8 kernel
+        if mesh is None and experts.size <= E and not fp8:  # fewer token copies than experts: most groups empty
             return gathered_experts(x, weights, experts, gate, up, down)
         if mesh is None:
             return local_experts(x, weights, experts, gate, up, down, first=0, num_experts=E)
@@ -113,7 +105,7 @@ def gathered_experts(x, weights, experts, gate, up, down):
     avoids the sort/scatter of the grouped path. Same arguments and result as `local_experts`."""
     def pick(w):  # [N, K, ., .]; FP8 weights: only the picked experts are dequantized
         if isinstance(w, QuantizedWeight):
-            return QuantizedWeight(w.value[experts], w.scale[experts], w.block).dequantize(x.dtype)
+            return w.replace(value=w.value[experts], scale=w.scale[experts]).dequantize(x.dtype)
         return w[experts].astype(x.dtype)
 
     w_gate, w_up, w_down = pick(gate), pick(up), pick(down)
@@ -134,8 +126,8 @@ def local_experts(x, weights, experts, gate, up, down, first, num_experts):
     order = jnp.argsort(local, stable=True)
     sizes = jnp.bincount(local, length=num_experts)[:gate.shape[0]]
     sorted_x = x[order // k]
-    h = nn.silu(grouped_matmul(sorted_x, gate, sizes)) * grouped_matmul(sorted_x, up, sizes)
-    y = grouped_matmul(h, down, sizes)
+    h = nn.silu(grouped_linear(sorted_x, gate, sizes)) * grouped_linear(sorted_x, up, sizes)
+    y = grouped_linear(h, down, sizes)
     y = jnp.where((jnp.arange(n * k) < sizes.sum())[:, None], y, 0)
     y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back to token order
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
@@ -168,11 +160,13 @@ def expert_parallel(mesh, x, weights, experts, gate, up, down, num_experts):
         return jax.lax.psum(out, ("expert", "tensor"))
 
     def weight_spec(w, spec):  # FP8 weights: values and block scales are cut alike
-        return QuantizedWeight(spec, spec, w.block) if isinstance(w, QuantizedWeight) else spec
+        return w.replace(value=spec, scale=spec) if isinstance(w, QuantizedWeight) else spec
 
     in_specs = (tokens, tokens, tokens, weight_spec(gate, P("expert", "tensor")), weight_spec(up, P("expert", "tensor")),
                 weight_spec(down, P("expert", None, "tensor")))
-    return jax.shard_map(shard, mesh=mesh, out_specs=tokens, in_specs=in_specs)(x, weights, experts, gate, up, down)
+    # check_vma off: the FP8 Pallas kernels inside do not declare how their outputs vary over the mesh.
+    return jax.shard_map(shard, mesh=mesh, out_specs=tokens, in_specs=in_specs, check_vma=False)(
+        x, weights, experts, gate, up, down)
 
 
 class MoE(nn.Module):

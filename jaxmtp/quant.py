@@ -4,6 +4,10 @@ A `QuantizedWeight` holds float8_e4m3fn values [..., out, in] and float32 block 
 [..., ceil(out/b), ceil(in/b)] (b = 128); the real weight is value * scale of its block (the
 checkpoint calls the scale `weight_scale_inv`, but it multiplies). It is a pytree, so it sits in
 the parameter tree in place of a dense array, stacks over layers and slices under `nn.scan`.
+
+How it is multiplied is static, part of the weight (`matmul`): "dequant" expands it to a dense
+weight inside the jitted computation; "fp8" quantizes the activations per token and 128 channels
+and runs DeepSeek-V3's W8A8 block-scaled GEMM (`pallas_kernels`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import act_quant, backend, fp8_block_matmul, fp8_grouped_matmul
 
 # Parameters stored in FP8 by the published checkpoints: every attention and FFN projection.
 # Embeddings, the head, norms, the router and eh_proj stay in high precision.
@@ -30,6 +36,7 @@ class QuantizedWeight:
     value: jax.Array  # [..., out, in] float8_e4m3fn
     scale: jax.Array  # [..., ceil(out/b), ceil(in/b)] float32
     block: tuple[int, int] = flax.struct.field(pytree_node=False, default=(128, 128))
+    matmul: str = flax.struct.field(pytree_node=False, default="dequant")  # "dequant" | "fp8"
 
     @property
     def shape(self):
@@ -51,6 +58,73 @@ def dequantize(value, scale, block=(128, 128)):
     xp = np if isinstance(value, np.ndarray) else jnp
     full = xp.repeat(xp.repeat(scale, block[0], axis=-2), block[1], axis=-1)[..., :out_dim, :in_dim]
     return value.astype(xp.float32) * full
+
+
+MATMULS = ("dequant", "fp8")
+
+
+def default_matmul() -> str:
+    """"fp8" where the FP8 kernels compile for hardware with FP8 matmul (Hopper/Ada GPUs, TPU v7),
+    else "dequant" (on CPU the kernels only run in the slow interpret mode)."""
+    target = backend()
+    return "fp8" if target.platform in ("gpu", "tpu") and target.native_fp8 else "dequant"
+
+
+def with_matmul(params, matmul: str):
+    """The parameter tree with every QuantizedWeight set to multiply by `matmul`."""
+    if matmul not in MATMULS:
+        raise ValueError(f"matmul: expected one of {MATMULS}, found {matmul!r}")
+
+    def one(leaf):
+        if not isinstance(leaf, QuantizedWeight):
+            return leaf
+        if matmul == "fp8" and leaf.block != (128, 128):
+            raise ValueError(f"matmul='fp8' needs 128x128 weight blocks, this checkpoint has {leaf.block}")
+        return leaf.replace(matmul=matmul)
+
+    return jax.tree.map(one, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
+
+
+def linear(x, weight) -> jax.Array:
+    """x [..., in] times weight [out, in] (dense or QuantizedWeight) transposed -> [..., out] in x.dtype."""
+    if isinstance(weight, QuantizedWeight) and weight.matmul == "fp8":
+        return fp8_block_matmul(*act_quant(x), weight.value, weight.scale, out_dtype=x.dtype)
+    return jnp.einsum("...i,oi->...o", x, as_dense(weight, x.dtype))
+
+
+def grouped_linear(x, weight, group_sizes) -> jax.Array:
+    """Rows of x, sorted by group, times their group's weight transposed. x [M, I], weight
+    [G, O, I] (dense or QuantizedWeight), group_sizes [G] -> [M, O]; rows past the groups are zero."""
+    if isinstance(weight, QuantizedWeight) and weight.matmul == "fp8":
+        return fp8_grouped_matmul(*act_quant(x), weight.value, weight.scale, group_sizes, out_dtype=x.dtype)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(x, as_dense(weight, x.dtype), group_sizes, dims)
+
+
+def quantize(weight: np.ndarray, block=(128, 128)) -> QuantizedWeight:
+    """A dense weight [..., out, in] -> block-scaled e4m3fn as DeepSeek-V3 publishes it: per block
+    (partial at the edges) scale = amax / 448, value = weight / scale."""
+    weight = np.asarray(weight, np.float32)
+    out_dim, in_dim = weight.shape[-2:]
+    rows, cols = -(-out_dim // block[0]), -(-in_dim // block[1])
+    padded = np.zeros(weight.shape[:-2] + (rows * block[0], cols * block[1]), np.float32)
+    padded[..., :out_dim, :in_dim] = weight
+    tiles = padded.reshape(weight.shape[:-2] + (rows, block[0], cols, block[1]))
+    scale = np.maximum(np.abs(tiles).max(axis=(-3, -1)), 1e-12) / 448.0  # [..., rows, cols]
+    value = tiles / scale[..., :, None, :, None]
+    value = value.reshape(padded.shape)[..., :out_dim, :in_dim].astype(jnp.float8_e4m3fn)
+    return QuantizedWeight(value, scale.astype(np.float32), tuple(block))
+
+
+def quantize_params(params, block=(128, 128)):
+    """Every weight that published FP8 checkpoints store in FP8 (see QUANTIZED_MODULES) quantized
+    with `quantize`; everything else unchanged."""
+    def one(path, leaf):
+        names = tuple(getattr(key, "key", key) for key in path)
+        return quantize(np.asarray(leaf), block) if is_quantized_param(names) else leaf
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def as_dense(weight, dtype) -> jax.Array:

@@ -56,8 +56,8 @@ def param_shardings(config: ModelConfig, params, mesh: Mesh):
 
     def one(logical, leaf):
         if isinstance(leaf, QuantizedWeight):
-            return QuantizedWeight(NamedSharding(mesh, spec(tuple(logical), leaf.value.shape, mesh)),
-                                   NamedSharding(mesh, spec(tuple(logical), leaf.scale.shape, mesh)), leaf.block)
+            return leaf.replace(value=NamedSharding(mesh, spec(tuple(logical), leaf.value.shape, mesh)),
+                                scale=NamedSharding(mesh, spec(tuple(logical), leaf.scale.shape, mesh)))
         return NamedSharding(mesh, spec(tuple(logical), leaf.shape, mesh))
 
     return jax.tree.map(one, axes, params, is_leaf=lambda x: isinstance(x, PartitionSpec))

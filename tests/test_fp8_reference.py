@@ -28,6 +28,23 @@ def numpy_block_matmul(xq, xs, wq, ws):
     return a @ b.T
 
 
+def _bits(a):
+    return np.asarray(a).view(np.uint8)
+
+
+def assert_quantized_like_numpy(x, xq, xs):
+    """XLA computes a / broadcast(b) as a * broadcast(1 / b), so on CPU the scales (in the kernel
+    and in act_quant_reference alike) may be 1 ulp off numpy's amax / 448 and a quotient may then
+    round the other way when it lies within ~2^-22 (relative) of an e4m3 rounding midpoint. So:
+    scales within 1 ulp, and each value one of the roundings of x / scale (float64) widened by
+    2^-20 -- which is numpy's own rounding everywhere but at such near-ties."""
+    _, want_s = numpy_act_quant(x)
+    np.testing.assert_array_max_ulp(np.asarray(xs), want_s, maxulp=1)
+    exact = x / np.repeat(want_s.astype(np.float64), 128, axis=-1)[..., : x.shape[-1]]
+    low, high = (_bits((exact * (1 + d)).astype(ml_dtypes.float8_e4m3fn)) for d in (-(2.0**-20), 2.0**-20))
+    assert np.all((_bits(xq) == low) | (_bits(xq) == high))
+
+
 @settings(max_examples=20, deadline=None)
 @given(m=st.integers(1, 9), n=st.sampled_from([1, 64, 128, 200, 576]), k=st.sampled_from([128, 256, 320, 7]),
        batch=st.sampled_from([(), (2,)]), seed=st.integers(0, 1000))
@@ -36,8 +53,7 @@ def test_block_matmul_reference_matches_numpy(m, n, k, batch, seed):
     x = rng.normal(scale=3.0, size=batch + (m, k)).astype(np.float32)
     xq, xs = act_quant_reference(x)
     ref_q, ref_s = numpy_act_quant(x)
-    np.testing.assert_array_equal(np.asarray(xq).astype(np.float32), ref_q.astype(np.float32))
-    np.testing.assert_allclose(np.asarray(xs), ref_s, rtol=1e-6)
+    assert_quantized_like_numpy(x, xq, xs)
     wq = rng.normal(size=(n, k)).astype(ml_dtypes.float8_e4m3fn)
     ws = rng.uniform(0.01, 0.1, size=(-(-n // 128), -(-k // 128))).astype(np.float32)
     got = np.asarray(fp8_block_matmul_reference(xq, xs, wq, ws))

@@ -5,9 +5,10 @@ import os
 from jaxmtp.checkpoint.hf import load_hf
 from jaxmtp.checkpoint.save import ORBAX_META, load_orbax, save_hf, save_orbax
 from jaxmtp.errors import CheckpointError
+from jaxmtp.quant import default_matmul
 
 
-def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False, quiet=False):
+def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False, quiet=False, matmul=None):
     """Loads a checkpoint directory: HF layout (config.json + safetensors [+ index]), DeepSeek's
     converted `model{rank}-mp{n}.safetensors` (with the HF config.json copied beside them; that
     format has no MTP layer), or one written by `save(..., format="orbax")`.
@@ -20,15 +21,22 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
         in each matmul) or "dequantize" (dense `dtype` weights).
       check_finite: raise CheckpointError on NaN/Inf in any tensor.
       quiet: no progress bar.
+      matmul: with quantized="keep", how the FP8 weights are multiplied: "fp8" (activations
+        quantized per 1x128 tile, W8A8 block-scaled GEMM kernels) or "dequant"; default "fp8"
+        on GPUs and TPUs with FP8 matmul, else "dequant".
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if quantized not in ("keep", "dequantize"):
         raise ValueError(f"quantized: expected 'keep' or 'dequantize', found {quantized!r}")
+    if matmul is not None and quantized != "keep":
+        raise ValueError(f"matmul={matmul!r} applies to FP8 weights kept as such: pass quantized='keep'")
     if os.path.exists(os.path.join(path, ORBAX_META)):
-        return load_orbax(path, dtype, quantized, mesh)
-    return load_hf(path, dtype, quantized, check_finite, quiet, mesh)
+        model = load_orbax(path, dtype, quantized, mesh)
+    else:
+        model = load_hf(path, dtype, quantized, check_finite, quiet, mesh)
+    return model.with_matmul(matmul or default_matmul()) if quantized == "keep" else model
 
 
 def save(model, path, format="hf", max_shard_bytes=4 << 30):

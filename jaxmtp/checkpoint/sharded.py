@@ -59,7 +59,7 @@ def load_onto_mesh(tensors: TensorFiles, target, shardings, config, keep: bool, 
             parts = [_leaf_array(tensors, path, leaf, shard, config, bar, check_finite, part)
                      for leaf, shard, part in ((abstract.value, sharding.value, "value"),
                                                (abstract.scale, sharding.scale, "scale"))]
-            return QuantizedWeight(*parts, abstract.block)
+            return abstract.replace(value=parts[0], scale=parts[1])
         part = "dequantize" if block is not None and is_quantized_param(path) else "dense"
         return _leaf_array(tensors, path, abstract, sharding, config, bar, check_finite, part, block)
 
