@@ -156,7 +156,7 @@ def _plan(args):
     from jaxmtp.plan import plan, report
 
     figures = plan(ModelConfig.from_hf_config(args.config), **sizes, batch=args.batch, max_len=args.max_len,
-                   prompt_len=args.prompt_len or args.max_len // 2, k=args.k)
+                   prompt_len=args.prompt_len or args.max_len // 2, k=args.k, matmul=args.matmul)
     print(report(figures))
 
 
@@ -279,6 +279,8 @@ def main(argv=None):
     pl.add_argument("--max-len", type=int, default=4096, help="cache length in tokens")
     pl.add_argument("--prompt-len", type=int, help="prompt bucket (default max-len / 2)")
     pl.add_argument("--k", type=int, default=2)
+    pl.add_argument("--matmul", choices=("dequant", "fp8"), default="dequant",
+                    help="how kept FP8 weights are multiplied (fp8: the W8A8 kernels, here lowered in interpret mode)")
     pl.set_defaults(run=_plan)
 
     tr = sub.add_parser("train", help="train a small DeepSeek-V3 + MTP on the standard library's source")

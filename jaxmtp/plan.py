@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxmtp.config import ModelConfig
 from jaxmtp.generation import Static, _generate, bucket
 from jaxmtp.model import abstract_params
-from jaxmtp.quant import QuantizedWeight
+from jaxmtp.quant import QuantizedWeight, with_matmul
 from jaxmtp.sampling import SamplingMode, SamplingParams
 from jaxmtp.sharding import batch_sharding, make_mesh, param_shardings, replicated
 
@@ -27,10 +27,12 @@ def _per_device_bytes(array: jax.ShapeDtypeStruct) -> int:
     return math.prod(array.sharding.shard_shape(array.shape)) * jnp.dtype(array.dtype).itemsize
 
 
-def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_len: int, k: int, dtype):
-    """(Static, abstract arguments of `_generate`) for greedy generation on `mesh`."""
+def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_len: int, k: int, dtype,
+                    matmul: str = "dequant"):
+    """(Static, abstract arguments of `_generate`) for greedy generation on `mesh`; FP8 weights
+    (kept when the config is quantized) multiplied by `matmul`."""
     keep = config.quantization is not None
-    params = abstract_params(config, dtype, keep_fp8=keep)
+    params = with_matmul(abstract_params(config, dtype, keep_fp8=keep), matmul)
     shardings = param_shardings(config, params, mesh)
     params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings)
     width = bucket(prompt_len, 16)
@@ -47,10 +49,10 @@ def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_
 
 
 def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, max_len: int, prompt_len: int,
-         k: int = 2, dtype=jnp.bfloat16) -> dict:
+         k: int = 2, dtype=jnp.bfloat16, matmul: str = "dequant") -> dict:
     """Compiles speculative generation for the mesh and returns per-device byte counts."""
     mesh = make_mesh(data, expert, tensor, jax.devices()[:data * expert * tensor])
-    static, args = abstract_inputs(config, mesh, batch, prompt_len, max_len, k, dtype)
+    static, args = abstract_inputs(config, mesh, batch, prompt_len, max_len, k, dtype, matmul)
     leaves = jax.tree.leaves(args[0])
     param_bytes = max(sum(_per_device_bytes(x) for x in leaves if d in x.sharding.device_set) for d in mesh.devices.flat)
     fp8 = sum(w.value.size for w in jax.tree.leaves(args[0], is_leaf=lambda v: isinstance(v, QuantizedWeight))
@@ -64,7 +66,7 @@ def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, m
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     return {"devices": data * expert * tensor, "mesh": {"data": data, "expert": expert, "tensor": tensor},
-            "batch": batch, "cache_len": static.cache_len, "prompt_len": args[1].shape[1], "k": k,
+            "batch": batch, "cache_len": static.cache_len, "prompt_len": args[1].shape[1], "k": k, "matmul": matmul,
             "parameter_bytes_per_device": int(param_bytes), "fp8_weights": int(fp8),
             "cache_bytes_per_device": int(cache_bytes),
             "xla_argument_bytes": int(memory.argument_size_in_bytes), "xla_output_bytes": int(memory.output_size_in_bytes),
@@ -77,7 +79,7 @@ def report(figures: dict) -> str:
     total = figures["xla_argument_bytes"] + figures["xla_temp_bytes"] + figures["xla_output_bytes"]
     lines = [f"mesh data={m['data']} expert={m['expert']} tensor={m['tensor']} ({figures['devices']} devices), "
              f"batch {figures['batch']}, cache {figures['cache_len']} tokens, prompt bucket {figures['prompt_len']}, "
-             f"k={figures['k']}; compiled in {figures['compile_seconds']:.0f} s",
+             f"k={figures['k']}, matmul={figures['matmul']}; compiled in {figures['compile_seconds']:.0f} s",
              f"parameters per device (largest):     {gb(figures['parameter_bytes_per_device'])}"
              f"   ({figures['fp8_weights'] / 1e9:.1f} B weights kept FP8)",
              f"MLA caches per device (main + MTP):  {gb(figures['cache_bytes_per_device'])}",
