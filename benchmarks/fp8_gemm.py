@@ -4,7 +4,9 @@ For each shape [M, K] x [N, K]^T, the median time (compile excluded) of
 1. `fp8_block_matmul` on activations already quantized,
 2. `act_quant` + `fp8_block_matmul` from bf16 activations,
 3. the weight dequantized to bf16 (`jaxmtp.quant.dequantize`) + a bf16 `jnp.dot`,
-as TFLOPS (2 M N K / time) and the speedup of 1 and 2 over 3. "deepgemm" is DeepGEMM's
+as TFLOPS (2 M N K / time) and the speedup of 1 and 2 over 3, and the largest error of the
+kernel's float32 output relative to the jnp reference (so that one run on new hardware also checks
+the compiled kernels). "deepgemm" is DeepGEMM's
 DeepSeek-V3 table; "small" is for CPU, where the kernels run in Pallas interpret mode (slow, and
 the figures say nothing about accelerator speed), and is the default there.
 
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.quant import dequantize
-from pallas_kernels import act_quant, backend, fp8_block_matmul
+from pallas_kernels import act_quant, backend, fp8_block_matmul, fp8_block_matmul_reference
 
 SHAPES = {
     "deepgemm": [(m, n, k) for m in (64, 128, 4096) for n, k in ((2112, 7168), (7168, 16384), (4096, 7168))],
@@ -63,17 +65,22 @@ def measure(m, n, k, repeats):
     for name, (fn, args) in variants.items():
         row[name + "_s"] = median_seconds(fn, args, repeats)
         row[name + "_tflops"] = 2 * m * n * k / row[name + "_s"] / 1e12
+    got = fp8_block_matmul(xq, xs, w, ws, out_dtype=jnp.float32)
+    want = fp8_block_matmul_reference(xq, xs, w, ws, jnp.float32)
+    row["max_relative_error"] = float(jnp.abs(got - want).max() / jnp.abs(want).max())
     row["speedup"] = row["w8a16_s"] / row["w8a8_s"]
     row["speedup_with_quant"] = row["w8a16_s"] / row["quant+w8a8_s"]
     return row
 
 
 def print_table(rows):
-    print(f"{'':>20} | {'TFLOPS':^29} | {'speedup over W8A16':^20}")
-    print(f"{'M':>6} {'N':>6} {'K':>6} | {'W8A8':>8} {'quant+W8A8':>10} {'W8A16':>9} | {'W8A8':>8} {'quant+W8A8':>11}")
+    print(f"{'':>20} | {'TFLOPS':^29} | {'speedup over W8A16':^20} |")
+    print(f"{'M':>6} {'N':>6} {'K':>6} | {'W8A8':>8} {'quant+W8A8':>10} {'W8A16':>9} | {'W8A8':>8} {'quant+W8A8':>11} "
+          f"| rel. error")
     for r in rows:
         print(f"{r['m']:>6} {r['n']:>6} {r['k']:>6} | {r['w8a8_tflops']:>8.3f} {r['quant+w8a8_tflops']:>10.3f} "
-              f"{r['w8a16_tflops']:>9.3f} | {r['speedup']:>7.2f}x {r['speedup_with_quant']:>10.2f}x")
+              f"{r['w8a16_tflops']:>9.3f} | {r['speedup']:>7.2f}x {r['speedup_with_quant']:>10.2f}x "
+              f"| {r['max_relative_error']:.1e}")
 
 
 def main() -> None:
