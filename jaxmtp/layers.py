@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.quant import linear
+from jaxmtp.quant import QuantizedWeight, linear
 
 Dtype = Any
 
@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """y = x W^T with W stored [out_features, in_features], as in HF and the FP8 checkpoints.
 
-    The stored weight may be a QuantizedWeight, multiplied as its `matmul` says (see jaxmtp.quant)."""
+    The stored weight may be a QuantizedWeight, multiplied as its `matmul` says (see jaxmtp.quant).
+    On a mesh whose tensor axis splits the weight in whole 128-blocks, the FP8 kernel runs per
+    shard in shard_map (XLA cannot partition a kernel: it would gather the whole weight)."""
 
     in_features: int
     out_features: int
@@ -51,7 +53,48 @@ class Linear(nn.Module):
                                  (self.out_features, self.in_features), self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return linear(x, self.weight)
+        split = _tensor_split(self.weight, self.axes)
+        if split is None:
+            return linear(x, self.weight)
+        return _tensor_parallel_linear(x, self.weight, *split)
+
+
+def _tensor_split(weight, axes):
+    """(mesh, weight spec) when an FP8-kernel weight is split over the context mesh's tensor axis
+    in whole 128-blocks of its values, else None."""
+    if not (isinstance(weight, QuantizedWeight) and weight.matmul == "fp8"):
+        return None
+    from jaxmtp.sharding import spec
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("tensor", 1) == 1:
+        return None
+    weight_spec = spec(axes, weight.shape, mesh)
+    split = [dim for dim, axis in enumerate(weight_spec) if axis == "tensor"]
+    if not split or (weight.shape[split[0]] // mesh.shape["tensor"]) % weight.block[split[0]]:
+        return None
+    return mesh, weight_spec
+
+
+def _tensor_parallel_linear(x, weight, mesh, weight_spec):
+    """Column-parallel (out features split: each device writes its slice of y) or row-parallel
+    (in features split: each device multiplies its slice of x, one psum adds the parts). Rows of x
+    stay split over `data` when it divides them."""
+    P = jax.sharding.PartitionSpec
+    data = mesh.shape.get("data", 1)
+    rows = "data" if data > 1 and x.shape[0] % data == 0 else None
+    middle = [None] * (x.ndim - 2)
+    column = weight_spec[0] == "tensor"
+    x_spec = P(rows, *middle, None if column else "tensor")
+    out_spec = P(rows, *middle, "tensor" if column else None)
+
+    def shard(x, value, scale):
+        y = linear(x, weight.replace(value=value, scale=scale))
+        return y if column else jax.lax.psum(y, "tensor")
+
+    # check_vma off: the Pallas kernels do not declare how their outputs vary over the mesh.
+    return jax.shard_map(shard, mesh=mesh, in_specs=(x_spec, weight_spec, weight_spec), out_specs=out_spec,
+                         check_vma=False)(x, weight.value, weight.scale)
 
 
 class Embed(nn.Module):

@@ -97,3 +97,32 @@ def test_fp8_kernels_run_expert_parallel_on_a_mesh(models):
     tokens = np.array(prompts[:4])
     want = np.asarray(fp8.forward(tokens)[0])
     np.testing.assert_allclose(np.asarray(sharded.forward(tokens)[0]), want, rtol=0, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("axes", [("heads", "embed"), ("embed", "heads")], ids=["column", "row"])
+def test_fp8_linear_runs_per_tensor_shard(axes):
+    """On a tensor axis that cuts whole 128-blocks, an FP8 linear runs the kernel per shard:
+    column-parallel (out features split) equals one device exactly, row-parallel (in features
+    split, partial products summed) up to float32 summation order; no weight is all-gathered."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from jaxmtp.layers import Linear
+    from jaxmtp.quant import quantize
+    from jaxmtp.sharding import make_mesh, spec
+
+    rng = np.random.default_rng(0)
+    out_features, in_features = (512, 256) if axes[0] == "heads" else (256, 512)
+    weight = quantize(rng.normal(size=(out_features, in_features))).replace(matmul="fp8")
+    x = jnp.asarray(rng.normal(size=(4, 8, in_features)), jnp.float32)
+    layer = Linear(in_features, out_features, axes)
+    apply = jax.jit(lambda w, x: layer.apply({"params": {"weight": w}}, x))
+    want = np.asarray(apply(weight, x))
+    mesh = make_mesh(data=2, expert=2, tensor=2)
+    cut = NamedSharding(mesh, spec(axes, weight.shape, mesh))
+    sharded = weight.replace(value=jax.device_put(weight.value, cut), scale=jax.device_put(weight.scale, cut))
+    with jax.set_mesh(mesh):
+        got = np.asarray(apply(sharded, x))
+        assert "all-gather" not in apply.lower(sharded, x).compile().as_text()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())

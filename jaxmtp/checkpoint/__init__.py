@@ -17,8 +17,8 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
       path: the directory.
       dtype: parameter dtype; default the one the checkpoint declares.
       mesh: a `jaxmtp.make_mesh` mesh: every parameter is placed with its NamedSharding.
-      quantized: for FP8 checkpoints, "keep" (e4m3fn values + block scales, dequantized on the fly
-        in each matmul) or "dequantize" (dense `dtype` weights).
+      quantized: for FP8 checkpoints, "keep" (e4m3fn values + block scales, multiplied as `matmul`
+        says) or "dequantize" (dense `dtype` weights).
       check_finite: raise CheckpointError on NaN/Inf in any tensor.
       quiet: no progress bar.
       matmul: with quantized="keep", how the FP8 weights are multiplied: "fp8" (activations
