@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.quant import QuantizedWeight, linear
+from jaxmtp.sharding import spec
 
 Dtype = Any
 
@@ -64,8 +65,6 @@ def _tensor_split(weight, axes):
     in whole 128-blocks of its values, else None."""
     if not (isinstance(weight, QuantizedWeight) and weight.matmul == "fp8"):
         return None
-    from jaxmtp.sharding import spec
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get("tensor", 1) == 1:
         return None
