@@ -52,12 +52,15 @@ def scale_shape(shape, block=(128, 128)) -> tuple[int, ...]:
     return tuple(shape[:-2]) + (-(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
-def dequantize(value, scale, block=(128, 128)):
-    """Expands each block scale over its (possibly partial) tile and multiplies, in float32."""
+def dequantize(value, scale, block=(128, 128), offset=(0, 0)):
+    """Expands each block scale over its (possibly partial) tile and multiplies, in float32.
+
+    `value` may be a region of a weight starting `offset` (rows, cols) into the first scale block
+    of `scale` (a device's block of a sharded weight); by default it starts on a block boundary."""
     out_dim, in_dim = value.shape[-2:]
     xp = np if isinstance(value, np.ndarray) else jnp
-    full = xp.repeat(xp.repeat(scale, block[0], axis=-2), block[1], axis=-1)[..., :out_dim, :in_dim]
-    return value.astype(xp.float32) * full
+    full = xp.repeat(xp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    return value.astype(xp.float32) * full[..., offset[0]:offset[0] + out_dim, offset[1]:offset[1] + in_dim]
 
 
 MATMULS = ("dequant", "fp8")

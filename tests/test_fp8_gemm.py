@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fp8_reference import assert_quantized_like_numpy, numpy_act_quant, numpy_block_matmul
+from test_fp8_reference import assert_quantized_like_numpy, bits, numpy_act_quant, numpy_block_matmul
 
 from pallas_kernels import (Backend, act_quant, act_quant_reference, backend, fp8_block_matmul,
                             fp8_grouped_matmul)
@@ -19,10 +19,6 @@ E4M3 = ml_dtypes.float8_e4m3fn
 # native_fp8=False is the integer encode/decode path of hardware without FP8 matmul.
 TARGETS = [Backend("cpu", True, native, layout) for layout in ("grid", "loop") for native in (True, False)]
 target_st = st.sampled_from(TARGETS)
-
-
-def _bits(a):
-    return np.asarray(a).view(np.uint8)
 
 
 def _random_weight(rng, shape):
@@ -57,7 +53,7 @@ def test_act_quant_and_block_matmul_match_numpy(m, n, k, batch, dtype, target, s
     xq, xs = act_quant(x, target=target)
     assert xq.dtype == jnp.float8_e4m3fn and xs.dtype == jnp.float32
     ref_q, ref_s = act_quant_reference(x)
-    np.testing.assert_array_equal(_bits(xq), _bits(ref_q))
+    np.testing.assert_array_equal(bits(xq), bits(ref_q))
     np.testing.assert_array_equal(np.asarray(xs), np.asarray(ref_s))
     assert_quantized_like_numpy(np.asarray(x, np.float32), xq, xs)
     w, ws = _random_weight(rng, (n, k))
@@ -96,7 +92,7 @@ def test_act_quant_rounds_every_case_like_numpy(target):
     x = np.concatenate([np.full((rows.shape[0], 1), 448.0, np.float32), rows], axis=1)
     xq, xs = act_quant(x, target=target)
     np.testing.assert_array_equal(np.asarray(xs), 1.0)
-    np.testing.assert_array_equal(_bits(xq), _bits(x.astype(E4M3)))
+    np.testing.assert_array_equal(bits(xq), bits(x.astype(E4M3)))
 
 
 @pytest.mark.parametrize("target", TARGETS[1::2], ids=["grid-bytes", "loop-bytes"])

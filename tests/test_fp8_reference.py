@@ -28,7 +28,7 @@ def numpy_block_matmul(xq, xs, wq, ws):
     return a @ b.T
 
 
-def _bits(a):
+def bits(a):
     return np.asarray(a).view(np.uint8)
 
 
@@ -41,8 +41,8 @@ def assert_quantized_like_numpy(x, xq, xs):
     _, want_s = numpy_act_quant(x)
     np.testing.assert_array_max_ulp(np.asarray(xs), want_s, maxulp=1)
     exact = x / np.repeat(want_s.astype(np.float64), 128, axis=-1)[..., : x.shape[-1]]
-    low, high = (_bits((exact * (1 + d)).astype(ml_dtypes.float8_e4m3fn)) for d in (-(2.0**-20), 2.0**-20))
-    assert np.all((_bits(xq) == low) | (_bits(xq) == high))
+    low, high = (bits((exact * (1 + d)).astype(ml_dtypes.float8_e4m3fn)) for d in (-(2.0**-20), 2.0**-20))
+    assert np.all((bits(xq) == low) | (bits(xq) == high))
 
 
 @settings(max_examples=20, deadline=None)

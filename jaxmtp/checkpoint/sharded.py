@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxmtp.checkpoint.names import hf_name, index_dims
 from jaxmtp.errors import CheckpointError
-from jaxmtp.quant import QuantizedWeight, is_quantized_param
+from jaxmtp.quant import QuantizedWeight, dequantize, is_quantized_param
 
 
 class TensorFiles:
@@ -102,12 +102,10 @@ def _dequantized_region(tensors, name, region, block, bar):
     """value x block scale over `region` (rows, cols) of an FP8 weight, reading only the scale
     blocks that cover it."""
     (rows, cols), (b0, b1) = region, block
-    value = tensors.read(name, region, bar).astype(np.float32)
+    value = tensors.read(name, region, bar)
     scale = tensors.read(name + "_scale_inv", (slice(rows.start // b0, -(-rows.stop // b0)),
                                                 slice(cols.start // b1, -(-cols.stop // b1))), bar)
-    full = np.repeat(np.repeat(scale, b0, axis=0), b1, axis=1)
-    r0, c0 = rows.start % b0, cols.start % b1
-    return value * full[r0:r0 + value.shape[0], c0:c0 + value.shape[1]]
+    return dequantize(value, scale, block, offset=(rows.start % b0, cols.start % b1))
 
 
 def _map_with_path(fn, target, shardings, prefix=()):
