@@ -22,10 +22,8 @@ class MLA(nn.Module):
     """Args of __call__:
       x: [B, T, D] normed input; positions: [B, T] absolute positions.
       cache: one layer's MLACache ([B, S, ...]) or None. With a cache, the new entries are written at
-        `positions`. The absorbed form (decode) then attends over the whole cache, masked to key
-        position <= query position; the expanded form (prefill, which starts from an empty cache)
-        and calls without a cache attend causally among the T new tokens only, so prefill never
-        touches the empty rest of the cache.
+        `positions` and attention reads the whole cache, masked to key position <= query position.
+        Without one, the T tokens attend causally among themselves.
     Returns: ([B, T, D] output, updated cache or None).
     """
 
@@ -50,10 +48,10 @@ class MLA(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, cache: MLACache | None = None):
         q_nope, q_pe = self.queries(x, positions)
         c_kv, k_pe = self.compress(x, positions)
-        key_positions = positions
-        if cache is not None:
+        if cache is None:
+            key_positions = positions
+        else:
             cache = cache.write(positions, c_kv, k_pe)
-        if cache is not None and self.absorbed:
             c_kv, k_pe = cache.c_kv.astype(x.dtype), cache.k_pe.astype(x.dtype)
             key_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (x.shape[0], cache.max_len))
         mask = key_positions[:, None, :] <= positions[:, :, None]  # [B, T, S]
