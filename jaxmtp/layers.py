@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.quant import QuantizedWeight, linear
+from jaxmtp.quant import linear, runs_fp8
 from jaxmtp.sharding import spec
 
 Dtype = Any
@@ -63,7 +63,7 @@ class Linear(nn.Module):
 def _tensor_split(weight, axes):
     """(mesh, weight spec) when an FP8-kernel weight is split over the context mesh's tensor axis
     in whole 128-blocks of its values, else None."""
-    if not (isinstance(weight, QuantizedWeight) and weight.matmul == "fp8"):
+    if not runs_fp8(weight):
         return None
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get("tensor", 1) == 1:

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.layers import Dtype, Linear, normal_init
-from jaxmtp.quant import QuantizedWeight, grouped_linear
+from jaxmtp.quant import QuantizedWeight, grouped_linear, runs_fp8
 
 
 class MLP(nn.Module):
@@ -92,8 +92,9 @@ class Experts(nn.Module):
         down = self.param("down_proj", init(("expert", "embed", "expert_mlp")), (E, D, I), self.dtype)
 
         mesh = expert_parallel_mesh(c, gate)
-        fp8 = isinstance(gate, QuantizedWeight) and gate.matmul == "fp8"  # the grouped FP8 kernel
-        if mesh is None and experts.size <= E and not fp8:  # fewer token copies than experts: most groups empty
+        # Fewer token copies than experts (decode): most groups would be empty, so gather instead;
+        # weights for the FP8 kernels always take the sorted path (the grouped kernel).
+        if mesh is None and experts.size <= E and not runs_fp8(gate):
             return gathered_experts(x, weights, experts, gate, up, down)
         if mesh is None:
             return local_experts(x, weights, experts, gate, up, down, first=0, num_experts=E)

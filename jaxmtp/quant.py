@@ -73,6 +73,11 @@ def default_matmul() -> str:
     return "fp8" if target.platform in ("gpu", "tpu") and target.native_fp8 else "dequant"
 
 
+def runs_fp8(weight) -> bool:
+    """Whether `weight` is multiplied by the FP8 kernels (a QuantizedWeight with matmul="fp8")."""
+    return isinstance(weight, QuantizedWeight) and weight.matmul == "fp8"
+
+
 def with_matmul(params, matmul: str):
     """The parameter tree with every QuantizedWeight set to multiply by `matmul`."""
     if matmul not in MATMULS:
@@ -90,7 +95,7 @@ def with_matmul(params, matmul: str):
 
 def linear(x, weight) -> jax.Array:
     """x [..., in] times weight [out, in] (dense or QuantizedWeight) transposed -> [..., out] in x.dtype."""
-    if isinstance(weight, QuantizedWeight) and weight.matmul == "fp8":
+    if runs_fp8(weight):
         return fp8_block_matmul(*act_quant(x), weight.value, weight.scale, out_dtype=x.dtype)
     return jnp.einsum("...i,oi->...o", x, as_dense(weight, x.dtype))
 
@@ -98,7 +103,7 @@ def linear(x, weight) -> jax.Array:
 def grouped_linear(x, weight, group_sizes) -> jax.Array:
     """Rows of x, sorted by group, times their group's weight transposed. x [M, I], weight
     [G, O, I] (dense or QuantizedWeight), group_sizes [G] -> [M, O]; rows past the groups are zero."""
-    if isinstance(weight, QuantizedWeight) and weight.matmul == "fp8":
+    if runs_fp8(weight):
         return fp8_grouped_matmul(*act_quant(x), weight.value, weight.scale, group_sizes, out_dtype=x.dtype)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])

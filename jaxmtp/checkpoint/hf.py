@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jaxmtp.checkpoint import official
@@ -174,19 +173,10 @@ def _progress(files, quiet):
 def _tensors(files, bar):
     """Yields (file, name, safetensors dtype, numpy array) for every tensor, file by file."""
     for file in files:
-        try:
-            handle = safe_open(file, framework="numpy")
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from None
-        with handle:
-            for name in handle.keys():
-                try:
-                    kind = handle.get_slice(name).get_dtype()
-                    value = handle.get_tensor(name)
-                except (SafetensorError, OSError) as e:
-                    raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
-                bar.update(value.nbytes)
-                yield file, name, kind, value
+        with contextlib.ExitStack() as stack:
+            tensors = TensorFiles([file], stack)
+            for name, (_, kind, _) in tensors.where.items():
+                yield file, name, kind, tensors.read(name, bar=bar)
 
 
 def _check_tensor(file, name, kind, shape, expected, config):
