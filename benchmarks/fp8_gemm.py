@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from timing import median_seconds
 
 from jaxmtp.quant import dequantize
 from pallas_kernels import act_quant, backend, fp8_block_matmul, fp8_block_matmul_reference
@@ -31,17 +30,6 @@ SHAPES = {
     "deepgemm": [(m, n, k) for m in (64, 128, 4096) for n, k in ((2112, 7168), (7168, 16384), (4096, 7168))],
     "small": [(m, n, k) for m in (16, 64) for n, k in ((576, 512), (256, 1024))],
 }
-
-
-def median_seconds(fn, args, repeats):
-    """Median wall time of fn(*args) after one warm-up call (which compiles)."""
-    jax.block_until_ready(fn(*args))
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
 
 
 def inputs(m, n, k, seed=0):

@@ -172,6 +172,11 @@ def _train(args):
     from jaxmtp.config import ModelConfig
     from jaxmtp.train import TrainConfig, evaluate, train
 
+    try:
+        cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, learning_rate=args.lr,
+                          seed=args.seed, mtp_only=args.mtp_only, mtp_depth=args.mtp_depth)
+    except ValueError as e:
+        raise SystemExit(f"jaxmtp train: {e}") from None
     os.makedirs(args.out, exist_ok=True)
     train_texts, held_texts = (data.read(files) for files in data.source_files())
     if args.mtp_only:
@@ -188,8 +193,6 @@ def _train(args):
     train_tokens, held_tokens = data.encode(tokenizer, train_texts), data.encode(tokenizer, held_texts)
     print(f"data: {len(train_texts)} training files, {len(train_tokens):,} tokens; held out "
           f"{', '.join(data.HELD_OUT_MODULES)}: {len(held_tokens):,} tokens")
-    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, learning_rate=args.lr,
-                      seed=args.seed, mtp_only=args.mtp_only)
     before = evaluate(model, held_tokens, args.seq_len) if args.mtp_only else None
     model, log = train(model, train_tokens, cfg, os.path.join(args.out, "train_log.jsonl"), quiet=args.quiet)
     after = evaluate(model, held_tokens, args.seq_len)
@@ -293,6 +296,8 @@ def main(argv=None):
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--mtp-only", action="store_true", help="fine-tune only the MTP layer of --init")
     tr.add_argument("--init", help="checkpoint to start from (with --mtp-only)")
+    tr.add_argument("--mtp-depth", type=int, default=1,
+                    help="with --mtp-only: train this many chained drafting steps (draft j reads draft j-1's hidden state)")
     tr.add_argument("--quiet", action="store_true")
     tr.set_defaults(run=_train)
 

@@ -7,7 +7,9 @@ selection bias moves by `bias_rate` towards under-loaded experts (b_i += rate x 
 load_i)); the bias only decides which experts are chosen, so it gets no gradient.
 
 `mtp_only` fine-tunes just the MTP module on a frozen main model's hidden states, distilling the
-main model's own next-token distribution into it (what speculative acceptance rewards).
+main model's own next-token distribution into it (what speculative acceptance rewards). With
+`mtp_depth` > 1 it is trained for drafting several tokens the way generation chains it: draft j
+reads the MTP layer's own output hidden state of draft j - 1 instead of the main model's.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class TrainConfig:
     bias_rate: float = 1e-3
     seed: int = 0
     mtp_only: bool = False
+    mtp_depth: int = 1  # mtp_only: chained drafting steps trained (see `chained_distillation`)
+
+    def __post_init__(self):
+        if not 1 <= self.mtp_depth < self.seq_len or (self.mtp_depth > 1 and not self.mtp_only):
+            raise ValueError(f"mtp_depth: expected 1 <= mtp_depth < seq_len ({self.seq_len}), and > 1 only with "
+                             f"mtp_only; found {self.mtp_depth}")
 
 
 def cross_entropy(logits, targets):
@@ -49,7 +57,7 @@ def cross_entropy(logits, targets):
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 
 
-def forward_losses(params, tokens, config, mtp_only: bool):
+def forward_losses(params, tokens, config):
     """tokens [B, T+2] -> (main loss, MTP loss, main logits, MTP logits, expert loads).
 
     Main: positions 0..T-1 predict tokens 1..T. MTP: slot p uses h_p and token p+1, predicts p+2.
@@ -58,8 +66,6 @@ def forward_losses(params, tokens, config, mtp_only: bool):
     positions = positions_for(x)
     model = module(config)
     (logits, hidden, _), main_state = model.apply({"params": params}, x, positions, mutable=["intermediates"])
-    if mtp_only:
-        hidden = jax.lax.stop_gradient(hidden)
     (mtp_logits, _, _), mtp_state = model.apply({"params": params}, hidden, next_tokens, positions,
                                                 method=DeepseekV3.mtp_step, mutable=["intermediates"])
     loads = {**main_state.get("intermediates", {}), **mtp_state.get("intermediates", {})}
@@ -72,6 +78,31 @@ def distillation(logits, mtp_logits):
     the target, not the text. logits, mtp_logits [B, T, V] -> scalar."""
     target = jax.nn.softmax(jax.lax.stop_gradient(logits[:, 1:]), axis=-1)
     return -(target * jax.nn.log_softmax(mtp_logits[:, :-1], axis=-1)).sum(-1).mean()
+
+
+def chained_distillation(params, tokens, config, depth: int):
+    """The MTP-only objective over `depth` chained drafting steps; tokens [B, T+2].
+
+    Step 1 is `forward_losses`' MTP pass: slot s reads (h_s, t_{s+1}). Step j > 1 reads, at slot s,
+    the MTP output hidden state of step j - 1 at slot s - 1 and t_{s+1}, as the j-th draft of a
+    round reads the (j-1)-th draft's (tokens teacher-forced; attention sees step j's own slots).
+    Each step is distilled towards the frozen main model's distribution for the token it drafts.
+    Returns (main loss, losses [depth], expert loads of step 1).
+    """
+    x = tokens[:, :-2]
+    model = module(config)
+    (logits, hidden, _), main_state = model.apply({"params": params}, x, positions_for(x), mutable=["intermediates"])
+    logits, hidden = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(hidden)
+    losses, loads = [], main_state.get("intermediates", {})
+    for j in range(1, depth + 1):  # step j covers slots j-1 .. T-1
+        slots = positions_for(x)[:, j - 1:]
+        (mtp_logits, z, _), state = model.apply({"params": params}, hidden, tokens[:, j:-1], slots,
+                                                method=DeepseekV3.mtp_step, mutable=["intermediates"])
+        losses.append(distillation(logits[:, j - 1:], mtp_logits))
+        if j == 1:
+            loads = {**loads, **state.get("intermediates", {})}
+        hidden = z[:, :-1]  # slot s feeds slot s + 1 of the next step
+    return cross_entropy(logits, tokens[:, 1:-1]), jnp.stack(losses), loads
 
 
 def _labels(params, mtp_only):
@@ -118,10 +149,10 @@ def _replace_bias(tree, path, fn, load):
 @partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
 def train_step(config, cfg: TrainConfig, tx, params, opt_state, tokens):
     def loss_fn(p):
-        main, mtp, logits, mtp_logits, loads = forward_losses(p, tokens, config, cfg.mtp_only)
         if cfg.mtp_only:
-            mtp = distillation(logits, mtp_logits)
-            return mtp, (main, mtp, loads)
+            main, steps, loads = chained_distillation(p, tokens, config, cfg.mtp_depth)
+            return steps.mean(), (main, steps.mean(), loads)
+        main, mtp, _, _, loads = forward_losses(p, tokens, config)
         return main + cfg.mtp_lambda * mtp, (main, mtp, loads)
 
     (_, (main, mtp, loads)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -159,7 +190,7 @@ def train(model: Model, tokens: np.ndarray, cfg: TrainConfig, log_path: str | No
 
 @partial(jax.jit, static_argnums=0)
 def _eval_batch(config, params, tokens):
-    main, mtp, logits, mtp_logits, _ = forward_losses(params, tokens, config, mtp_only=True)
+    main, mtp, logits, mtp_logits, _ = forward_losses(params, tokens, config)
     x_next, after_next = tokens[:, 1:-1], tokens[:, 2:]
     main_top1 = (logits.argmax(-1) == x_next).mean()
     # The MTP module's draft agrees with what the main model would say two tokens ahead:

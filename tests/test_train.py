@@ -3,12 +3,15 @@
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxmtp
 from jaxmtp import data
-from jaxmtp.train import TrainConfig, distillation, forward_losses, train, update_biases
+from jaxmtp.model import module, positions_for
+from jaxmtp.train import TrainConfig, chained_distillation, distillation, forward_losses, train, update_biases
+from jaxmtp.transformer import DeepseekV3
 
 TINY = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json")
 
@@ -24,7 +27,7 @@ def test_mtp_loss_predicts_two_ahead_from_hidden_and_next_token():
     slot p given (h_p, t_{p+1}) and scored on t_{p+2}."""
     model = jaxmtp.init(TINY, seed=1)
     tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 18)).astype(np.int32)
-    main, mtp, _, _, _ = forward_losses(model.params, tokens, TINY, mtp_only=False)
+    main, mtp, _, _, _ = forward_losses(model.params, tokens, TINY)
     logits, hidden = model.forward(tokens[:, :-2])
     mtp_logits = np.asarray(model.mtp_forward(hidden, tokens[:, 1:-1]), np.float64)
 
@@ -76,15 +79,53 @@ def test_distillation_is_cross_entropy_to_the_main_models_next_prediction():
     np.testing.assert_allclose(float(distillation(logits, mtp_logits)), -(target * log_q).sum(-1).mean(), rtol=1e-5)
 
 
+def _numpy_distillation(main_logits, mtp_logits):
+    """Cross-entropy from softmax(main_logits) to softmax(mtp_logits), mean over rows; float64."""
+    p = np.exp(main_logits - main_logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    log_q = mtp_logits - mtp_logits.max(-1, keepdims=True)
+    log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+    return -(p * log_q).sum(-1).mean()
+
+
+def test_chained_steps_draft_from_the_previous_steps_hidden_state():
+    """Step j of the MTP-only objective, rebuilt slot by slot: slot s of step j reads step j-1's MTP
+    output at slot s-1 (the main model's h_s for j = 1) and t_{s+1}, and is scored against the main
+    model's distribution at position s+1. Each step is re-run from position 0: RoPE attention scores
+    depend only on position differences, so the shift must not change the result."""
+    model = jaxmtp.init(TINY, seed=1)
+    tokens = np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 14)).astype(np.int32)
+    t = tokens.shape[1] - 2
+    main, steps, _ = chained_distillation(model.params, tokens, TINY, depth=3)
+    logits, hidden = (np.asarray(a, np.float64) for a in model.forward(tokens[:, :-2]))
+    mtp = lambda h, nxt: module(TINY).apply({"params": model.params}, jnp.asarray(h, jnp.float32), nxt,  # noqa: E731
+                                            positions_for(nxt), method=DeepseekV3.mtp_step)
+    previous = {s: hidden[:, s] for s in range(t)}  # what slot s + 1 of the next step reads
+    for j in range(1, 4):
+        slots = range(j - 1, t)
+        h_in = np.stack([hidden[:, s] if j == 1 else previous[s - 1] for s in slots], axis=1)
+        mtp_logits, z, _ = mtp(h_in, tokens[:, [s + 1 for s in slots]])
+        want = _numpy_distillation(logits[:, [s + 1 for s in slots[:-1]]], np.asarray(mtp_logits, np.float64)[:, :-1])
+        np.testing.assert_allclose(float(steps[j - 1]), want, rtol=2e-5)
+        previous = {s: np.asarray(z)[:, i] for i, s in enumerate(slots)}
+    np.testing.assert_allclose(float(main), float(forward_losses(model.params, tokens, TINY)[0]), rtol=1e-6)
+
+
 def test_mtp_only_changes_only_the_mtp_module(trained):
     model = trained[0]
     tokens = _periodic_tokens(seed=1)
     tuned, log = train(model, tokens, TrainConfig(steps=20, batch=4, seq_len=32, learning_rate=1e-2, warmup=2,
-                                                  mtp_only=True), quiet=True)
+                                                  mtp_only=True, mtp_depth=2), quiet=True)
     for key in model.params:
         same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), model.params[key], tuned.params[key])
         assert all(jax.tree.leaves(same)) == (key != "mtp"), key
     assert log[-1]["mtp_loss"] < log[0]["mtp_loss"]
+
+
+def test_chained_depth_needs_mtp_only_and_fits_the_window():
+    for bad in (dict(mtp_depth=2), dict(mtp_only=True, mtp_depth=0), dict(mtp_only=True, mtp_depth=32, seq_len=32)):
+        with pytest.raises(ValueError, match="mtp_depth"):
+            TrainConfig(**bad)
 
 
 def test_corpus_excludes_tests_and_holds_out_fixed_modules():

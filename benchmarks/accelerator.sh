@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The figures that need a GPU or TPU, in one short run from the repository root:
+#   1. `jaxmtp bench`: plain vs speculative k = 1..4 on the demo model (JSON),
+#   2. benchmarks/fp8_gemm.py: the compiled FP8 kernels on DeepGEMM's shapes, with their error
+#      against the jnp reference (JSON),
+#   3. tests/test_fp8_gemm.py, whose random tests then run the compiled kernels,
+#   4. benchmarks/fp8_accuracy.py: the FP8 demo model (W8A8 kernels) vs its dequantized self,
+#   5. `jaxmtp generate` with the defaults, as a user runs it,
+#   6. benchmarks/decode_step.py: the main forward and the MTP pass at 1..5 rows.
+# Each step has its own time limit and log (OUT_DIR/<step>.log); a failing step does not stop the
+# others. PROMPTS_FILE holds bench prompts as token ids ("1,2;3,4"), so that the figures compare
+# with a run elsewhere (the held-out prompts otherwise come from this machine's Python sources).
+# float32 matmuls run at full precision (no TF32) in 1, 4 and 6 (1 and 4 compare
+# numerics; 6 then times the arithmetic that 1 runs).
+#
+#   bash benchmarks/accelerator.sh OUT_DIR [PROMPTS_FILE]
+set -u
+out=${1:?usage: accelerator.sh OUT_DIR [PROMPTS_FILE]}
+prompts=${2:-}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+py=${PYTHON:-python3}
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($(date +%T))"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "exit $?" >>"$out/$name.log"
+  tail -n 30 "$out/$name.log"
+}
+
+$py -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+tokens=()
+[ -n "$prompts" ] && tokens=(--tokens "$(cat "$prompts")")
+step bench 150 env JAX_DEFAULT_MATMUL_PRECISION=highest $py -m jaxmtp.cli bench "${tokens[@]}" --repeats 5 --json
+step fp8_gemm 110 $py benchmarks/fp8_gemm.py --repeats 20 --json "$out/fp8_gemm.json"
+step fp8_kernels 110 $py -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py
+step fp8_accuracy 110 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/fp8_accuracy.py
+step generate 60 $py -m jaxmtp.cli generate "def fibonacci(n):" --k 3 --quiet
+step decode_step 90 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/decode_step.py

@@ -1,0 +1,73 @@
+"""What one decode step costs at T rows: the main model's forward and one MTP pass, each timed as a
+jitted `fori_loop` of `--calls` calls with the cache carried (so dispatch is excluded), batch 1.
+
+A speculative round with k drafts runs the main forward at T = k + 1, the MTP layer k - 1 times at
+T = 1 and once at T = k + 1 (the repair pass); plain decoding runs the main forward at T = 1. These
+figures therefore bound the speedup a given acceptance can give on this machine.
+
+    python benchmarks/decode_step.py [--model DIR] [--calls 200] [--rows 1,2,3,4,5]
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import jaxmtp
+from jaxmtp.cache import MLACache
+from jaxmtp.generation import Static, _empty_caches, _main, _mtp
+from jaxmtp.sampling import SamplingMode
+from timing import median_seconds
+
+CACHE_LEN, START = 128, 40  # cache slots; position of the first row fed
+
+
+def microseconds_per_call(loop, args, calls):
+    return median_seconds(jax.jit(loop), args, repeats=5) / calls * 1e6
+
+
+def step_loops(static, rows, calls):
+    """(main loop, MTP loop): each feeds `rows` tokens at positions START.. per call, `calls` times.
+    The token fed depends on the previous call's output so that no call can be skipped."""
+    positions = START + jnp.arange(rows, dtype=jnp.int32)[None]
+
+    def main_loop(params, caches):
+        def body(_, carry):
+            caches, acc = carry
+            tokens = jnp.full((1, rows), 5, jnp.int32) + acc.astype(jnp.int32) % 2
+            logits, _, caches = _main(static, params, tokens, positions, caches, absorbed=True)
+            return caches, acc + logits[0, 0, 0]
+        return jax.lax.fori_loop(0, calls, body, (caches, jnp.float32(0)))[1]
+
+    def mtp_loop(params, cache):
+        def body(_, carry):
+            cache, acc = carry
+            tokens = jnp.full((1, rows), 5, jnp.int32) + acc.astype(jnp.int32) % 2
+            hidden = jnp.ones((1, rows, static.config.hidden_size), static.dtype) * acc
+            logits, _, cache = _mtp(static, params, hidden, tokens, positions, cache, absorbed=True)
+            return cache, acc + logits[0, 0, 0] * 1e-6
+        return jax.lax.fori_loop(0, calls, body, (cache, jnp.float32(0)))[1]
+
+    return main_loop, mtp_loop
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=jaxmtp.DEMO_MODEL)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rows", default="1,2,3,4,5")
+    args = parser.parse_args()
+    model = jaxmtp.load(args.model, quiet=True)
+    static = Static(model.config, model.dtype, 0, SamplingMode.of(0.0, 0, 1.0), CACHE_LEN)
+    print(f"{args.model} on {jax.devices()[0].device_kind}: microseconds per call, median of 5 loops "
+          f"of {args.calls} calls")
+    for rows in (int(r) for r in args.rows.split(",")):
+        main_loop, mtp_loop = step_loops(static, rows, args.calls)
+        main_us = microseconds_per_call(main_loop, (model.params, _empty_caches(static, 1)), args.calls)
+        mtp_cache = MLACache.zeros(model.config, None, 1, CACHE_LEN, model.dtype)
+        mtp_us = microseconds_per_call(mtp_loop, (model.params, mtp_cache), args.calls)
+        print(f"T={rows}: main forward {main_us:8.1f}   MTP pass {mtp_us:7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
