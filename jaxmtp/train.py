@@ -90,13 +90,13 @@ def chained_distillation(params, tokens, config, depth: int):
     Returns (main loss, losses [depth], expert loads of step 1).
     """
     x = tokens[:, :-2]
+    positions = positions_for(x)
     model = module(config)
-    (logits, hidden, _), main_state = model.apply({"params": params}, x, positions_for(x), mutable=["intermediates"])
+    (logits, hidden, _), main_state = model.apply({"params": params}, x, positions, mutable=["intermediates"])
     logits, hidden = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(hidden)
     losses, loads = [], main_state.get("intermediates", {})
     for j in range(1, depth + 1):  # step j covers slots j-1 .. T-1
-        slots = positions_for(x)[:, j - 1:]
-        (mtp_logits, z, _), state = model.apply({"params": params}, hidden, tokens[:, j:-1], slots,
+        (mtp_logits, z, _), state = model.apply({"params": params}, hidden, tokens[:, j:-1], positions[:, j - 1:],
                                                 method=DeepseekV3.mtp_step, mutable=["intermediates"])
         losses.append(distillation(logits[:, j - 1:], mtp_logits))
         if j == 1:

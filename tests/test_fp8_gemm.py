@@ -1,6 +1,7 @@
-"""The FP8 Pallas kernels (interpret mode; on a GPU or TPU also compiled) against float64 numpy written from the spec's
-section 4 formulas, in both kernel layouts and with and without native FP8; and their lowering
-for TPU (Mosaic) and GPU (Triton) without the hardware."""
+"""The FP8 Pallas kernels against float64 numpy written from the spec's section 4 formulas, in
+both kernel layouts and with and without native FP8 (interpret mode; on a GPU or TPU the random
+tests run the compiled kernels); and their lowering for TPU (Mosaic) and GPU (Triton) without the
+hardware."""
 
 import dataclasses
 

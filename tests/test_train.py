@@ -71,14 +71,6 @@ def test_training_learns_a_periodic_stream_and_balances_experts(trained):
     assert np.abs(bias).max() > 0  # the aux-loss-free rule ran
 
 
-def test_distillation_is_cross_entropy_to_the_main_models_next_prediction():
-    rng = np.random.default_rng(3)
-    logits, mtp_logits = rng.normal(size=(2, 2, 6, 11)).astype(np.float32)
-    target = np.exp(logits[:, 1:]) / np.exp(logits[:, 1:]).sum(-1, keepdims=True)
-    log_q = mtp_logits[:, :-1] - np.log(np.exp(mtp_logits[:, :-1]).sum(-1, keepdims=True))
-    np.testing.assert_allclose(float(distillation(logits, mtp_logits)), -(target * log_q).sum(-1).mean(), rtol=1e-5)
-
-
 def _numpy_distillation(main_logits, mtp_logits):
     """Cross-entropy from softmax(main_logits) to softmax(mtp_logits), mean over rows; float64."""
     p = np.exp(main_logits - main_logits.max(-1, keepdims=True))
@@ -86,6 +78,13 @@ def _numpy_distillation(main_logits, mtp_logits):
     log_q = mtp_logits - mtp_logits.max(-1, keepdims=True)
     log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
     return -(p * log_q).sum(-1).mean()
+
+
+def test_distillation_is_cross_entropy_to_the_main_models_next_prediction():
+    rng = np.random.default_rng(3)
+    logits, mtp_logits = rng.normal(size=(2, 2, 6, 11)).astype(np.float32)
+    want = _numpy_distillation(logits[:, 1:].astype(np.float64), mtp_logits[:, :-1].astype(np.float64))
+    np.testing.assert_allclose(float(distillation(logits, mtp_logits)), want, rtol=1e-5)
 
 
 def test_chained_steps_draft_from_the_previous_steps_hidden_state():
@@ -100,14 +99,13 @@ def test_chained_steps_draft_from_the_previous_steps_hidden_state():
     logits, hidden = (np.asarray(a, np.float64) for a in model.forward(tokens[:, :-2]))
     mtp = lambda h, nxt: module(TINY).apply({"params": model.params}, jnp.asarray(h, jnp.float32), nxt,  # noqa: E731
                                             positions_for(nxt), method=DeepseekV3.mtp_step)
-    previous = {s: hidden[:, s] for s in range(t)}  # what slot s + 1 of the next step reads
+    reads = {s: hidden[:, s] for s in range(t)}  # slot -> the hidden state it reads in this step
     for j in range(1, 4):
         slots = range(j - 1, t)
-        h_in = np.stack([hidden[:, s] if j == 1 else previous[s - 1] for s in slots], axis=1)
-        mtp_logits, z, _ = mtp(h_in, tokens[:, [s + 1 for s in slots]])
+        mtp_logits, z, _ = mtp(np.stack([reads[s] for s in slots], axis=1), tokens[:, [s + 1 for s in slots]])
         want = _numpy_distillation(logits[:, [s + 1 for s in slots[:-1]]], np.asarray(mtp_logits, np.float64)[:, :-1])
         np.testing.assert_allclose(float(steps[j - 1]), want, rtol=2e-5)
-        previous = {s: np.asarray(z)[:, i] for i, s in enumerate(slots)}
+        reads = {s + 1: np.asarray(z)[:, i] for i, s in enumerate(slots)}
     np.testing.assert_allclose(float(main), float(forward_losses(model.params, tokens, TINY)[0]), rtol=1e-6)
 
 
