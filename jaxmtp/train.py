@@ -64,12 +64,23 @@ def forward_losses(params, tokens, config):
     """
     x, next_tokens, after_next = tokens[:, :-2], tokens[:, 1:-1], tokens[:, 2:]
     positions = positions_for(x)
-    model = module(config)
-    (logits, hidden, _), main_state = model.apply({"params": params}, x, positions, mutable=["intermediates"])
-    (mtp_logits, _, _), mtp_state = model.apply({"params": params}, hidden, next_tokens, positions,
-                                                method=DeepseekV3.mtp_step, mutable=["intermediates"])
-    loads = {**main_state.get("intermediates", {}), **mtp_state.get("intermediates", {})}
+    logits, hidden, main_loads = _main_pass(params, x, positions, config)
+    mtp_logits, _, mtp_loads = _mtp_pass(params, hidden, next_tokens, positions, config)
+    loads = {**main_loads, **mtp_loads}
     return cross_entropy(logits, next_tokens), cross_entropy(mtp_logits, after_next), logits, mtp_logits, loads
+
+
+def _main_pass(params, x, positions, config):
+    """x, positions [B, T] -> (logits [B, T, V], post-norm hidden [B, T, D], expert loads)."""
+    (logits, hidden, _), state = module(config).apply({"params": params}, x, positions, mutable=["intermediates"])
+    return logits, hidden, state.get("intermediates", {})
+
+
+def _mtp_pass(params, hidden, next_tokens, positions, config):
+    """hidden [B, T, D], next_tokens/positions [B, T] -> (MTP logits, MTP hidden, expert loads)."""
+    (logits, z, _), state = module(config).apply({"params": params}, hidden, next_tokens, positions,
+                                                 method=DeepseekV3.mtp_step, mutable=["intermediates"])
+    return logits, z, state.get("intermediates", {})
 
 
 def distillation(logits, mtp_logits):
@@ -91,16 +102,13 @@ def chained_distillation(params, tokens, config, depth: int):
     """
     x = tokens[:, :-2]
     positions = positions_for(x)
-    model = module(config)
-    (logits, hidden, _), main_state = model.apply({"params": params}, x, positions, mutable=["intermediates"])
-    logits, hidden = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(hidden)
-    losses, loads = [], main_state.get("intermediates", {})
+    logits, hidden, loads = jax.lax.stop_gradient(_main_pass(params, x, positions, config))
+    losses = []
     for j in range(1, depth + 1):  # step j covers slots j-1 .. T-1
-        (mtp_logits, z, _), state = model.apply({"params": params}, hidden, tokens[:, j:-1], positions[:, j - 1:],
-                                                method=DeepseekV3.mtp_step, mutable=["intermediates"])
+        mtp_logits, z, mtp_loads = _mtp_pass(params, hidden, tokens[:, j:-1], positions[:, j - 1:], config)
         losses.append(distillation(logits[:, j - 1:], mtp_logits))
         if j == 1:
-            loads = {**loads, **state.get("intermediates", {})}
+            loads = {**loads, **mtp_loads}
         hidden = z[:, :-1]  # slot s feeds slot s + 1 of the next step
     return cross_entropy(logits, tokens[:, 1:-1]), jnp.stack(losses), loads
 
