@@ -6,14 +6,20 @@
 #   3. tests/test_fp8_gemm.py, whose random tests then run the compiled kernels,
 #   4. benchmarks/fp8_accuracy.py: the FP8 demo model (W8A8 kernels) vs its dequantized self,
 #   5. `jaxmtp generate` with the defaults, as a user runs it,
-#   6. benchmarks/decode_step.py: the main forward and the MTP pass at 1..5 rows.
+#   6. benchmarks/decode_step.py: the main forward and the MTP pass at 1..5 rows,
+#   7. the same at the default matmul precision (TF32 on GPUs): does the cost of 2+ rows come from
+#      the full-precision float32 GEMM algorithm?
+#   8. the same at 1 and 4 rows with XLA's optimized HLO written to OUT_DIR/hlo: which kernels a
+#      4-row step runs that a 1-row step does not.
 # Each step has its own time limit and log (OUT_DIR/<step>.log); a failing step does not stop the
 # others. PROMPTS_FILE holds bench prompts as token ids ("1,2;3,4"), so that the figures compare
 # with a run elsewhere (the held-out prompts otherwise come from this machine's Python sources).
 # float32 matmuls run at full precision (no TF32) in 1, 4 and 6 (1 and 4 compare
 # numerics; 6 then times the arithmetic that 1 runs).
 #
-#   bash benchmarks/accelerator.sh OUT_DIR [PROMPTS_FILE]
+# STEPS (names, space-separated) runs only those steps.
+#
+#   [STEPS="bench decode_step"] bash benchmarks/accelerator.sh OUT_DIR [PROMPTS_FILE]
 set -u
 out=${1:?usage: accelerator.sh OUT_DIR [PROMPTS_FILE]}
 prompts=${2:-}
@@ -24,6 +30,7 @@ py=${PYTHON:-python3}
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
+  [[ " ${STEPS:-$name} " == *" $name "* ]] || return 0
   echo "== $name ($(date +%T))"
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   echo "exit $?" >>"$out/$name.log"
@@ -39,3 +46,8 @@ step fp8_kernels 110 $py -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py
 step fp8_accuracy 110 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/fp8_accuracy.py
 step generate 60 $py -m jaxmtp.cli generate "def fibonacci(n):" --k 3 --quiet
 step decode_step 90 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/decode_step.py
+step decode_step_tf32 90 $py benchmarks/decode_step.py
+# (only the optimized HLO text is kept: XLA also writes objects or PTX per kernel)
+step hlo 90 bash -c 'JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="--xla_dump_to=$1 --xla_dump_hlo_as_text \
+  --xla_dump_hlo_module_re=main_loop" "$0" benchmarks/decode_step.py --rows 1,4 --calls 20 &&
+  find "$1" -mindepth 1 ! -name "*after_optimizations.txt" -delete' "$py" "$out/hlo"

@@ -5,7 +5,10 @@ A speculative round with k drafts runs the main forward at T = k + 1, the MTP la
 T = 1 and once at T = k + 1 (the repair pass); plain decoding runs the main forward at T = 1. These
 figures therefore bound the speedup a given acceptance can give on this machine.
 
-    python benchmarks/decode_step.py [--model DIR] [--calls 200] [--rows 1,2,3,4,5]
+    python benchmarks/decode_step.py [--model DIR | --config CONFIG_JSON] [--calls 200] [--rows 1,2,3,4,5]
+
+--config times a model of that architecture with random weights (seed 0): how the cost of extra rows
+depends on a model's size and shape (e.g. weights too big for the CPU's caches, dense or MoE).
 """
 
 import argparse
@@ -54,13 +57,18 @@ def step_loops(static, rows, calls):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=jaxmtp.DEMO_MODEL)
+    parser.add_argument("--config", help="an HF config.json: random weights of that architecture instead of --model")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rows", default="1,2,3,4,5")
     args = parser.parse_args()
-    model = jaxmtp.load(args.model, quiet=True)
+    if args.config:
+        model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(args.config))
+    else:
+        model = jaxmtp.load(args.model, quiet=True)
+    parameters = sum(x.size for x in jax.tree.leaves(model.params))
     static = Static(model.config, model.dtype, 0, SamplingMode.of(0.0, 0, 1.0), CACHE_LEN)
-    print(f"{args.model} on {jax.devices()[0].device_kind}: microseconds per call, median of 5 loops "
-          f"of {args.calls} calls")
+    print(f"{args.config or args.model} ({parameters / 1e6:.1f}M parameters, {model.dtype.name}) on "
+          f"{jax.devices()[0].device_kind}: microseconds per call, median of 5 loops of {args.calls} calls")
     for rows in (int(r) for r in args.rows.split(",")):
         main_loop, mtp_loop = step_loops(static, rows, args.calls)
         main_us = microseconds_per_call(main_loop, (model.params, _empty_caches(static, 1)), args.calls)
