@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import jaxmtp
 from jaxmtp.cache import MLACache
 from jaxmtp.generation import Static, _empty_caches, _main, _mtp
+from jaxmtp.model import parameter_counts
 from jaxmtp.sampling import SamplingMode
 from timing import median_seconds
 
@@ -65,7 +66,8 @@ def main():
         model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(args.config))
     else:
         model = jaxmtp.load(args.model, quiet=True)
-    parameters = sum(x.size for x in jax.tree.leaves(model.params))
+    counts = parameter_counts(model.config)
+    parameters = counts["main"] + counts["mtp_unique"]
     static = Static(model.config, model.dtype, 0, SamplingMode.of(0.0, 0, 1.0), CACHE_LEN)
     print(f"{args.config or args.model} ({parameters / 1e6:.1f}M parameters, {model.dtype.name}) on "
           f"{jax.devices()[0].device_kind}: microseconds per call, median of 5 loops of {args.calls} calls")
