@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The figures that need a GPU or TPU, in one short run from the repository root:
-#   1. `jaxmtp bench`: plain vs speculative k = 1..4 on the demo model (JSON),
+#   1. `jaxmtp bench`: plain vs speculative k = 1..4 and auto on the demo model (JSON: tokens/s
+#      with and without the prefill, round costs in plain steps, ideal and achieved speedups),
 #   2. benchmarks/fp8_gemm.py: the compiled FP8 kernels on DeepGEMM's shapes, with their error
 #      against the jnp reference (JSON),
 #   3. tests/test_fp8_gemm.py, whose random tests then run the compiled kernels,
 #   4. benchmarks/fp8_accuracy.py: the FP8 demo model (W8A8 kernels) vs its dequantized self,
-#   5. `jaxmtp generate` with the defaults, as a user runs it,
-#   6. benchmarks/decode_step.py: the main forward and the MTP pass at 1..5 rows,
+#   5. `jaxmtp generate` with the defaults (speculative_k="auto"), as a user runs it,
+#   6. benchmarks/decode_step.py: the main forward and the MTP pass at 1..5 rows, and the round
+#      cost at each k they give; decode_step_wide: the same for the widened random-weight dense
+#      and MoE configs in benchmarks/configs (1.1-1.2 GiB of float32 weights, memory-bound),
 #   7. the same at the default matmul precision (TF32 on GPUs): does the cost of 2+ rows come from
 #      the full-precision float32 GEMM algorithm?
 #   8. the same at 1 and 4 rows with XLA's optimized HLO written to OUT_DIR/hlo: which kernels a
@@ -17,7 +20,9 @@
 # float32 matmuls run at full precision (no TF32) in 1, 4 and 6 (1 and 4 compare
 # numerics; 6 then times the arithmetic that 1 runs).
 #
-# STEPS (names, space-separated) runs only those steps.
+# STEPS (names, space-separated) runs only those steps. The step limits add up to more than one
+# 10-minute device call; the decode-engine figures are
+#   STEPS="bench generate decode_step decode_step_wide hlo" (at most 510 s).
 #
 #   [STEPS="bench decode_step"] bash benchmarks/accelerator.sh OUT_DIR [PROMPTS_FILE]
 set -u
@@ -40,12 +45,14 @@ step() {  # step NAME SECONDS COMMAND...
 $py -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 tokens=()
 [ -n "$prompts" ] && tokens=(--tokens "$(cat "$prompts")")
-step bench 150 env JAX_DEFAULT_MATMUL_PRECISION=highest $py -m jaxmtp.cli bench "${tokens[@]}" --repeats 5 --json
+step bench 180 env JAX_DEFAULT_MATMUL_PRECISION=highest $py -m jaxmtp.cli bench "${tokens[@]}" --repeats 5 --json
 step fp8_gemm 110 $py benchmarks/fp8_gemm.py --repeats 20 --json "$out/fp8_gemm.json"
 step fp8_kernels 110 $py -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py
 step fp8_accuracy 110 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/fp8_accuracy.py
-step generate 60 $py -m jaxmtp.cli generate "def fibonacci(n):" --k 3 --quiet
+step generate 60 $py -m jaxmtp.cli generate "def fibonacci(n):" --quiet
 step decode_step 90 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/decode_step.py
+step decode_step_wide 90 env JAX_DEFAULT_MATMUL_PRECISION=highest bash -c 'for c in benchmarks/configs/wide_*.json; do
+  "$0" benchmarks/decode_step.py --config "$c" --calls 20 --rows 1,2,3,4,5 || exit; done' "$py"
 step decode_step_tf32 90 $py benchmarks/decode_step.py
 # (only the optimized HLO text is kept: XLA also writes objects or PTX per kernel)
 step hlo 90 bash -c 'JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="--xla_dump_to=$1 --xla_dump_hlo_as_text \

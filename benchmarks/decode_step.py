@@ -9,6 +9,8 @@ figures therefore bound the speedup a given acceptance can give on this machine.
 
 --config times a model of that architecture with random weights (seed 0): how the cost of extra rows
 depends on a model's size and shape (e.g. weights too big for the CPU's caches, dense or MoE).
+The rows of a call carry different tokens, so that they route to different experts as text does.
+With PYTHONPATH pointing at an earlier checkout, the same loops time that checkout's engine.
 """
 
 import argparse
@@ -32,13 +34,17 @@ def microseconds_per_call(loop, args, calls):
 
 def step_loops(static, rows, calls):
     """(main loop, MTP loop): each feeds `rows` tokens at positions START.. per call, `calls` times.
-    The token fed depends on the previous call's output so that no call can be skipped."""
+    The tokens fed depend on the previous call's output so that no call can be skipped."""
     positions = START + jnp.arange(rows, dtype=jnp.int32)[None]
+    spread = jnp.arange(rows, dtype=jnp.int32)[None] * 131  # a different token in every row
+
+    def fed(acc):
+        return (spread + 5 + acc.astype(jnp.int32) % 2) % static.config.vocab_size
 
     def main_loop(params, caches):
         def body(_, carry):
             caches, acc = carry
-            tokens = jnp.full((1, rows), 5, jnp.int32) + acc.astype(jnp.int32) % 2
+            tokens = fed(acc)
             logits, _, caches = _main(static, params, tokens, positions, caches, absorbed=True)
             return caches, acc + logits[0, 0, 0]
         return jax.lax.fori_loop(0, calls, body, (caches, jnp.float32(0)))[1]
@@ -46,7 +52,7 @@ def step_loops(static, rows, calls):
     def mtp_loop(params, cache):
         def body(_, carry):
             cache, acc = carry
-            tokens = jnp.full((1, rows), 5, jnp.int32) + acc.astype(jnp.int32) % 2
+            tokens = fed(acc)
             hidden = jnp.ones((1, rows, static.config.hidden_size), static.dtype) * acc
             logits, _, cache = _mtp(static, params, hidden, tokens, positions, cache, absorbed=True)
             return cache, acc + logits[0, 0, 0] * 1e-6
@@ -66,17 +72,27 @@ def main():
         model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(args.config))
     else:
         model = jaxmtp.load(args.model, quiet=True)
+    model = model.decoding() if hasattr(model, "decoding") else model
     counts = parameter_counts(model.config)
     parameters = counts["main"] + counts["mtp_unique"]
-    static = Static(model.config, model.dtype, 0, SamplingMode.of(0.0, 0, 1.0), CACHE_LEN)
+    fields = dict(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0), cache_len=CACHE_LEN,
+                  layout=getattr(model, "layout", None))  # an earlier engine's Static has no layout
+    static = Static(**{name: value for name, value in fields.items() if name in Static.__dataclass_fields__})
     print(f"{args.config or args.model} ({parameters / 1e6:.1f}M parameters, {model.dtype.name}) on "
           f"{jax.devices()[0].device_kind}: microseconds per call, median of 5 loops of {args.calls} calls")
+    main, mtp = {}, {}
     for rows in (int(r) for r in args.rows.split(",")):
         main_loop, mtp_loop = step_loops(static, rows, args.calls)
-        main_us = microseconds_per_call(main_loop, (model.params, _empty_caches(static, 1)), args.calls)
+        main[rows] = microseconds_per_call(main_loop, (model.params, _empty_caches(static, 1)), args.calls)
         mtp_cache = MLACache.zeros(model.config, None, 1, CACHE_LEN, model.dtype)
-        mtp_us = microseconds_per_call(mtp_loop, (model.params, mtp_cache), args.calls)
-        print(f"T={rows}: main forward {main_us:8.1f}   MTP pass {mtp_us:7.1f}", flush=True)
+        mtp[rows] = microseconds_per_call(mtp_loop, (model.params, mtp_cache), args.calls)
+        print(f"T={rows}: main forward {main[rows]:8.1f}   MTP pass {mtp[rows]:7.1f}", flush=True)
+    # A round at k: main forward at k + 1 rows, k - 1 MTP drafts at 1 row, the repair at k + 1 rows.
+    ks = [k for k in range(1, 9) if {1, k + 1} <= main.keys()]
+    if ks:
+        costs = [(main[k + 1] + (k - 1) * mtp[1] + mtp[k + 1]) / main[1] for k in ks]
+        print("round at k in plain steps (these passes only, without the loop's bookkeeping): "
+              + "  ".join(f"k={k} {c:.2f}" for k, c in zip(ks, costs)))
 
 
 if __name__ == "__main__":

@@ -28,14 +28,14 @@ def python_loop_seconds(model, prompts, repeats, **kwargs) -> tuple[list[float],
     """Same computation as `generate`, driven round by round from Python."""
     prepared = prepare(model, prompts, **kwargs)
     static = prepared.static
-    params, prompt, lengths, limits, eos, sampling, key, real = prepared.args
+    params, prompt, lengths, limits, eos, sampling, key, real, _, _ = prepared.args
     first = jax.jit(prefill, static_argnums=0)
-    step = jax.jit(decode_round, static_argnums=0)
+    step = jax.jit(decode_round, static_argnums=(0, 1))
 
     def run():
         state = first(static, params, prompt, lengths, limits, eos, sampling, key, real)
         while not bool(jnp.all(state.done)):
-            state = step(static, params, state, limits, eos, sampling)
+            state = step(static, static.k, params, state, limits, eos, sampling)
         return jax.block_until_ready(state)
 
     state = run()  # compile

@@ -1,7 +1,9 @@
-"""Plain vs MTP speculative decoding on the same model and prompts, measured side by side.
+"""Plain vs MTP speculative decoding (fixed k and auto) on the same model and prompts, side by side.
 
 Each prompt runs alone (batch 1), greedy, through the compiled generation loop; compile time is
-excluded and each configuration's time is the median over repeats of the summed prompt times.
+excluded and each configuration's time is the median over repeats of the summed prompt times. The
+prefill of each prompt is also timed alone (the same loop with max_new_tokens=1), so that
+decode-only rates, which the prefill does not pull towards 1, are reported beside the totals.
 """
 
 from __future__ import annotations
@@ -11,61 +13,117 @@ import time
 
 import jax
 
-from jaxmtp.generation import _generate, prepare, unpack
+from jaxmtp.generation import Prepared, _generate, calibrated, prepare, unpack
 from jaxmtp.model import Model
 
 
-def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens: int = 64, repeats: int = 3,
-        eos_token_id: int | None = None) -> list[dict]:
-    """One row per k (k = 0 first): tokens/s, speedup over k = 0, acceptance figures.
+def _compiled(model: Model, prompts, k, max_new_tokens, eos_token_id) -> list[tuple[Prepared, object]]:
+    """(prepared, compiled loop) per prompt, one compile per bucket; auto calibrated."""
+    runs, executables = [], {}
 
-    Every configuration is compiled and run once first; then the timed repeats go round all k in
-    turn, so that slow drifts of a shared machine hit every k alike. Raises AssertionError if any
-    speculative output differs from plain greedy decoding.
+    def executable(prepared):
+        signature = (prepared.static, prepared.args[1].shape)
+        if signature not in executables:
+            executables[signature] = _generate.lower(prepared.static, *prepared.args).compile()
+        return executables[signature]
+
+    for p in prompts:
+        prepared = prepare(model, [p], max_new_tokens, speculative_k=k, eos_token_id=eos_token_id)
+        prepared = calibrated(prepared, executable(prepared))  # auto may turn into the plain loop
+        runs.append((prepared, executable(prepared)))
+    return runs
+
+
+def _seconds(runs, prefill_only: bool = False) -> float:
+    start = time.perf_counter()
+    for prepared, run in runs:
+        jax.block_until_ready(run(*(prepared.limited(1) if prefill_only else prepared.args)))
+    return time.perf_counter() - start
+
+
+def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens: int = 64, repeats: int = 3,
+        eos_token_id: int | None = None, auto: bool = True) -> list[dict]:
+    """One row per configuration: k = 0 first, then `ks`, then "auto": tokens/s (total and decode
+    only), speedups over k = 0, acceptance figures, the round cost in plain steps (from the
+    calibration that auto uses), the ideal speedup that the measured acceptance and costs allow
+    (mean accepted length / round cost; for auto, the best of the fixed k), and achieved / ideal.
+
+    Every configuration is compiled and run once first; then the timed repeats go round all of
+    them in turn, so that slow drifts of a shared machine hit each alike. Raises AssertionError if
+    any speculative output differs from plain greedy decoding.
     """
-    ks = (0, *ks)
-    prepared = {k: [prepare(model, [p], max_new_tokens, speculative_k=k, eos_token_id=eos_token_id) for p in prompts]
-                for k in ks}
-    seconds = {k: [] for k in ks}
+    configs = [0, *ks] + (["auto"] if auto and model.config.has_mtp else [])
+    runs = {k: _compiled(model, prompts, k, max_new_tokens, eos_token_id) for k in configs}
+    totals, prefill_seconds = {k: [] for k in configs}, {k: [] for k in configs}
     with model.mesh_context():
-        outputs = {k: [unpack(p, jax.block_until_ready(_generate(p.static, *p.args))) for p in prepared[k]]
-                   for k in ks}
+        outputs = {k: [unpack(p, jax.block_until_ready(fn(*p.args))) for p, fn in runs[k]] for k in configs}
         for _ in range(repeats):
-            for k in ks:
-                start = time.perf_counter()
-                for p in prepared[k]:
-                    jax.block_until_ready(_generate(p.static, *p.args))
-                seconds[k].append(time.perf_counter() - start)
-    rows = []
-    for k in ks:
-        tokens = [out.tokens[0] for out in outputs[k]]
-        assert tokens == [out.tokens[0] for out in outputs[0]], f"k={k}: speculative output differs from plain greedy"
-        stats = [out.stats for out in outputs[k]]
-        drafted = sum(s["draft_tokens"] for s in stats)
-        accepted = sum(s["accepted_tokens"] for s in stats)
-        rounds = [s["main_forward_passes"] - 1 for s in stats]
-        at = [sum(s["per_position_acceptance"][i] * r for s, r in zip(stats, rounds)) for i in range(k)]
-        new = sum(len(t) for t in tokens)
-        tps = new / statistics.median(seconds[k])
-        rows.append({"k": k, "tokens_per_s": tps, "speedup": tps / rows[0]["tokens_per_s"] if rows else 1.0,
-                     "acceptance_rate": accepted / drafted if drafted else 0.0,
-                     "mean_accepted_length": 1 + accepted / sum(rounds) if sum(rounds) else 1.0,
-                     "per_position_acceptance": [a / sum(rounds) for a in at] if sum(rounds) else [],
-                     "main_forward_passes": sum(rounds) + len(prompts), "new_tokens": new})
+            for k in configs:
+                totals[k].append(_seconds(runs[k]))
+                prefill_seconds[k].append(_seconds(runs[k], prefill_only=True))
+    costs = _round_costs(runs)
+    rows = [_row(k, outputs[k], outputs[0], totals[k], prefill_seconds[k], len(prompts), costs) for k in configs]
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+        r["decode_speedup"] = r["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+    fixed = [r["ideal_speedup"] for r in rows if r["k"] != "auto"]
+    for r in rows:
+        if r["k"] == "auto":
+            r["ideal_speedup"] = max(fixed)
+        r["achieved_over_ideal"] = r["decode_speedup"] / r["ideal_speedup"]
     return rows
 
 
+def _round_costs(runs) -> list[float] | None:
+    """The calibrated round costs of the auto runs (k = 0..AUTO_MAX_K), if auto ran."""
+    return runs["auto"][0][0].costs if "auto" in runs else None
+
+
+def _row(k, outputs, plain, totals, prefills, prompt_count, costs) -> dict:
+    tokens = [out.tokens[0] for out in outputs]
+    assert tokens == [out.tokens[0] for out in plain], f"k={k}: speculative output differs from plain greedy"
+    stats = [out.stats for out in outputs]
+    drafted = sum(s["draft_tokens"] for s in stats)
+    accepted = sum(s["accepted_tokens"] for s in stats)
+    rounds = sum(s["main_forward_passes"] - 1 for s in stats)
+    by_k = {}
+    for s in stats:
+        for j, n in s["rounds_by_k"].items():
+            by_k[j] = by_k.get(j, 0) + n
+    k_max = max(by_k) if by_k else 0
+    drafting = [sum(n for j, n in by_k.items() if j > i) for i in range(k_max)]
+    at = [sum(s["per_position_acceptance"][i] * sum(n for j, n in s["rounds_by_k"].items() if j > i)
+              for s in stats if i < len(s["per_position_acceptance"])) for i in range(k_max)]
+    new = sum(len(t) for t in tokens)
+    total, prefill = statistics.median(totals), statistics.median(prefills)
+    mean_length = 1 + accepted / rounds if rounds else 1.0
+    cost = costs[k] if costs is not None and isinstance(k, int) and k < len(costs) else None
+    return {"k": k, "tokens_per_s": new / total, "decode_tokens_per_s": (new - prompt_count) / max(total - prefill, 1e-9),
+            "acceptance_rate": accepted / drafted if drafted else 0.0, "mean_accepted_length": mean_length,
+            "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(at, drafting)],
+            "rounds_by_k": dict(sorted(by_k.items())), "round_cost": cost,
+            "ideal_speedup": mean_length / cost if cost else None,
+            "main_forward_passes": rounds + len(outputs), "new_tokens": new}
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'k':>2} {'tokens/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>9} {'passes':>7}  per-position acceptance"]
+    lines = [f"{'k':>4} {'tokens/s':>9} {'speedup':>8} {'decode/s':>9} {'speedup':>8} {'cost':>5} {'accept':>7} "
+             f"{'mean len':>8} {'ideal':>6} {'ach/ideal':>9}  rounds by k / per-position acceptance"]
     for r in rows:
+        cost = f"{r['round_cost']:.2f}" if r["round_cost"] else "-"
+        ideal = f"{r['ideal_speedup']:.2f}x" if r["ideal_speedup"] else "-"
         per_position = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
-        lines.append(f"{r['k']:>2} {r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {r['acceptance_rate']:>7.3f} "
-                     f"{r['mean_accepted_length']:>9.2f} {r['main_forward_passes']:>7}  {per_position}")
+        detail = (" ".join(f"{j}:{n}" for j, n in r["rounds_by_k"].items()) + " / " + per_position
+                  if r["k"] == "auto" else per_position)
+        lines.append(f"{r['k']!s:>4} {r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {r['decode_tokens_per_s']:>9.1f} "
+                     f"{r['decode_speedup']:>7.2f}x {cost:>5} {r['acceptance_rate']:>7.3f} "
+                     f"{r['mean_accepted_length']:>8.2f} {ideal:>6} {r['achieved_over_ideal']:>9.2f}  {detail}")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: str | None = None):
-    """Acceptance by draft position (one line per k) and speedup by k. Needs matplotlib."""
+    """Acceptance by draft position (one line per k) and decode speedup by k, auto marked. Needs
+    matplotlib."""
     try:
         import matplotlib
         if path:
@@ -75,12 +133,16 @@ def plot(rows: list[dict], path: str | None = None):
         raise SystemExit("plotting needs matplotlib: pip install matplotlib") from None
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for r in rows[1:]:
-        left.plot(range(1, r["k"] + 1), r["per_position_acceptance"], marker="o", label=f"k={r['k']}")
+        positions = range(1, len(r["per_position_acceptance"]) + 1)
+        left.plot(positions, r["per_position_acceptance"], marker="o", label=f"k={r['k']}")
     left.set(xlabel="draft position", ylabel="acceptance", title="Acceptance by draft position", ylim=(0, 1))
+    left.xaxis.get_major_locator().set_params(integer=True)
     left.legend()
-    right.bar([str(r["k"]) for r in rows], [r["speedup"] for r in rows])
+    labels = [str(r["k"]) for r in rows]
+    colors = ["tab:orange" if r["k"] == "auto" else "tab:blue" for r in rows]
+    right.bar(labels, [r["decode_speedup"] for r in rows], color=colors)
     right.axhline(1.0, color="gray", linewidth=0.8)
-    right.set(xlabel="k (0 = plain)", ylabel="tokens/s relative to plain", title="Speedup by k")
+    right.set(xlabel="k (0 = plain)", ylabel="decode tokens/s relative to plain", title="Speedup by k (auto in orange)")
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=100)

@@ -35,12 +35,20 @@ class MLACache:
         """Stores one layer's new entries at their positions.
 
         Args:
-          positions: [B, T] absolute positions; positions >= max_len are dropped.
+          positions: [B, T] absolute positions, consecutive in each row (p, p+1, .., p+T-1) with
+            p + T <= max_len (generation sizes its caches so).
           c_kv: [B, T, C]; k_pe: [B, T, R].
+
+        A scatter promised in bounds, to unique indices: XLA updates the cache in place, where the
+        bounds-checked form ("drop") made it copy the whole cache on every step.
         """
         rows = jnp.arange(positions.shape[0])[:, None]
-        return MLACache(c_kv=self.c_kv.at[rows, positions].set(c_kv.astype(self.c_kv.dtype), mode="drop"),
-                        k_pe=self.k_pe.at[rows, positions].set(k_pe.astype(self.k_pe.dtype), mode="drop"))
+
+        def put(cache, new):
+            return cache.at[rows, positions].set(new.astype(cache.dtype), mode="promise_in_bounds",
+                                                 unique_indices=True, indices_are_sorted=True)
+
+        return MLACache(c_kv=put(self.c_kv, c_kv), k_pe=put(self.k_pe, k_pe))
 
 
 def bytes_per_token(config: ModelConfig, dtype=jnp.bfloat16) -> int:

@@ -15,6 +15,7 @@ from jaxmtp import DEMO_MODEL
 def _info(args):
     from jaxmtp.cache import bytes_per_token
     from jaxmtp.config import ModelConfig
+    from jaxmtp.layout import CHECKPOINT
     from jaxmtp.model import _forward, _mtp_forward, abstract_params, parameter_counts
 
     config = ModelConfig.from_hf_config(args.config)
@@ -30,11 +31,11 @@ def _info(args):
         params = abstract_params(config, jnp.bfloat16)
         tokens = jax.ShapeDtypeStruct((args.batch, args.length), jnp.int32)
         start = time.perf_counter()
-        _forward.lower(config, jnp.dtype(jnp.bfloat16), params, tokens)
+        _forward.lower(config, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, tokens)
         mid = time.perf_counter()
         hidden = jax.ShapeDtypeStruct((args.batch, args.length, config.hidden_size), jnp.bfloat16)
         if config.has_mtp:
-            _mtp_forward.lower(config, jnp.dtype(jnp.bfloat16), params, hidden, tokens)
+            _mtp_forward.lower(config, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, hidden, tokens)
         end = time.perf_counter()
         print(f"jit(forward).lower on abstract bf16 parameters, batch {args.batch} x {args.length}: {mid - start:.1f} s")
         print(f"jit(mtp_forward).lower: {end - mid:.1f} s")
@@ -97,13 +98,14 @@ def _bench(args):
         prompts = data.prompts_from(held_out, args.prompts, args.prompt_len)
         source = f"{args.prompts} held-out standard-library prompts of {args.prompt_len} tokens"
     ks = [int(k) for k in args.ks.split(",")]
-    rows = bench.run(model, prompts, ks, args.max_new_tokens, args.repeats)
+    rows = bench.run(model, prompts, ks, args.max_new_tokens, args.repeats, auto=not args.no_auto)
     if args.json:
         print(json.dumps({"model": args.model, "prompts": source, "max_new_tokens": args.max_new_tokens,
                           "repeats": args.repeats, "platform": jax.devices()[0].platform, "rows": rows}, indent=2))
     else:
         print(f"{args.model}: {source}, batch 1, greedy, {args.max_new_tokens} new tokens each, "
-              f"{jax.devices()[0].platform}; median of {args.repeats} runs, compile excluded")
+              f"{jax.devices()[0].platform}; median of {args.repeats} runs, compile excluded; decode = without the "
+              f"prefill; cost = a round in plain steps; ideal = mean len / cost")
         print(bench.table(rows))
     if args.plot:
         bench.plot(rows, args.plot)
@@ -132,10 +134,23 @@ def _generate(args):
     print(f"{new} new tokens in {run_s:.3f} s: {new / run_s:.1f} tokens/s (compile {compile_s:.1f} s, not included)")
     if args.k:
         per_position = ", ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
+        by_k = ", ".join(f"k={k}: {n}" for k, n in s["rounds_by_k"].items())
         print(f"k={args.k}: acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
-              f"{s['mean_accepted_length']:.2f}, per position [{per_position}]")
+              f"{s['mean_accepted_length']:.2f}, per position [{per_position}]; rounds {by_k}")
+        if "round_costs" in s:
+            print("round cost in plain steps at k = 0..: " + " ".join(f"{c:.2f}" for c in s["round_costs"]))
     print(f"main forward passes {s['main_forward_passes']} (incl. prefill), drafts {s['draft_tokens']}, "
           f"accepted {s['accepted_tokens']}")
+
+
+def _k_value(text: str):
+    """--k: "auto" or a whole number."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected "auto" or a whole number, found {text!r}') from None
 
 
 def _plan(args):
@@ -250,7 +265,9 @@ def main(argv=None):
     gen.add_argument("prompt", nargs="*", help='prompt text (needs the model\'s tokenizer.json); default "def fibonacci(n):"')
     gen.add_argument("--model", default=DEMO_MODEL, help="checkpoint directory (default: the bundled demo model)")
     gen.add_argument("--tokens", help='token ids instead of text: "1,2,3", several prompts separated by ";"')
-    gen.add_argument("--k", type=int, default=2, help="MTP drafts per round; 0 = plain decoding")
+    gen.add_argument("--k", type=_k_value, default="auto",
+                     help='MTP drafts per round; 0 = plain decoding; "auto" (default): chosen as it goes, from '
+                          "the measured cost of a round at each k on this machine and the acceptance so far")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -270,6 +287,7 @@ def main(argv=None):
     b.add_argument("--prompt-len", type=int, default=32)
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--ks", default="1,2,3,4")
+    b.add_argument("--no-auto", action="store_true", help='leave out speculative_k="auto"')
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
     b.add_argument("--plot", help="write acceptance-by-position and speedup-by-k plots to this PNG")

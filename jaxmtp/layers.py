@@ -1,4 +1,5 @@
-"""Basic Linen building blocks: RMSNorm, bias-free Linear in the checkpoint's [out, in] layout, Embed.
+"""Basic Linen building blocks: RMSNorm, bias-free Linear ([out, in] like the checkpoints, or [in, out]
+in the decode layout), Embed.
 
 Every parameter is called `weight` and annotated with logical axis names, so a checkpoint tensor
 `...q_a_proj.weight` is the parameter at path `(..., "q_a_proj", "weight")`.
@@ -10,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxmtp.layout import CHECKPOINT, Layout
 from jaxmtp.quant import linear, runs_fp8
 from jaxmtp.sharding import spec
 
@@ -36,8 +38,19 @@ class RMSNorm(nn.Module):
         return weight * normed.astype(x.dtype)
 
 
+def projection_weight(module: nn.Module, out_features: int, in_features: int, axes: tuple[str, str], dtype,
+                      stddev: float, layout: Layout):
+    """The module's "weight" parameter: [out, in] with logical axes `axes`, or [in, out] when
+    `layout.inputs_first`."""
+    shape = (out_features, in_features)
+    if layout.inputs_first:
+        shape, axes = shape[::-1], axes[::-1]
+    return module.param("weight", normal_init(stddev, axes), shape, dtype)
+
+
 class Linear(nn.Module):
-    """y = x W^T with W stored [out_features, in_features], as in HF and the FP8 checkpoints.
+    """y = x W^T with W stored [out_features, in_features], as in HF and the FP8 checkpoints, or
+    y = x W with W stored [in_features, out_features] when `layout.inputs_first` (jaxmtp.layout).
 
     The stored weight may be a QuantizedWeight, multiplied as its `matmul` says (see jaxmtp.quant).
     On a mesh whose tensor axis splits the weight in whole 128-blocks, the FP8 kernel runs per
@@ -48,15 +61,16 @@ class Linear(nn.Module):
     axes: tuple[str, str]  # logical names of (out, in)
     dtype: Dtype = jnp.float32
     stddev: float = 0.02
+    layout: Layout = CHECKPOINT
 
     def setup(self):
-        self.weight = self.param("weight", normal_init(self.stddev, self.axes),
-                                 (self.out_features, self.in_features), self.dtype)
+        self.weight = projection_weight(self, self.out_features, self.in_features, self.axes, self.dtype, self.stddev,
+                                        self.layout)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
         split = _tensor_split(self.weight, self.axes)
         if split is None:
-            return linear(x, self.weight)
+            return linear(x, self.weight, self.layout.inputs_first, out_dtype)
         return _tensor_parallel_linear(x, self.weight, *split)
 
 

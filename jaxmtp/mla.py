@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
 from jaxmtp.layers import Dtype, Linear, RMSNorm
+from jaxmtp.layout import CHECKPOINT, Layout
 from jaxmtp.quant import as_dense
 from jaxmtp.rope import apply_rope
 
@@ -30,10 +31,12 @@ class MLA(nn.Module):
     config: ModelConfig
     dtype: Dtype = jnp.float32
     absorbed: bool = False
+    layout: Layout = CHECKPOINT
 
     def setup(self):
         c, D, H = self.config, self.config.hidden_size, self.config.num_attention_heads
-        lin = lambda i, o, axes: Linear(i, o, axes, self.dtype, c.initializer_range)  # noqa: E731
+        lin = lambda i, o, axes, layout=self.layout: Linear(i, o, axes, self.dtype, c.initializer_range,  # noqa: E731
+                                                            layout=layout)
         if c.q_lora_rank is None:
             self.q_proj = lin(D, H * c.qk_head_dim, ("heads", "embed"))
         else:
@@ -42,7 +45,8 @@ class MLA(nn.Module):
             self.q_b_proj = lin(c.q_lora_rank, H * c.qk_head_dim, ("heads", "q_lora"))
         self.kv_a_proj_with_mqa = lin(D, c.cache_width, ("kv_lora", "embed"))
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, self.dtype)
-        self.kv_b_proj = lin(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), ("heads", "kv_lora"))
+        # Always [out, in]: only read as per-head up-projections (see up_projections).
+        self.kv_b_proj = lin(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), ("heads", "kv_lora"), CHECKPOINT)
         self.o_proj = lin(H * c.v_head_dim, D, ("embed", "heads"))
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: MLACache | None = None):
@@ -88,9 +92,11 @@ class MLA(nn.Module):
         return jnp.einsum("bhts,bshv->bthv", probs, v)
 
     def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask):
+        # The cache is the left operand of the score product: contracting its minor (channel) axis
+        # there is a plain GEMM, where as the right operand XLA would transpose the whole cache first.
         w_uk, w_uv = self.up_projections()
         q_latent = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk.astype(q_nope.dtype))
-        scores = jnp.einsum("bthc,bsc->bhts", q_latent, c_kv) + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        scores = jnp.einsum("bsc,bthc->bhts", c_kv, q_latent) + jnp.einsum("bsr,bthr->bhts", k_pe, q_pe)
         probs = self.softmax(scores, mask).astype(c_kv.dtype)
         out_latent = jnp.einsum("bhts,bsc->bthc", probs, c_kv)
         return jnp.einsum("bthc,hvc->bthv", out_latent, w_uv.astype(out_latent.dtype))

@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.layout import CHECKPOINT, Layout, convert, decode_layout
 from jaxmtp.quant import QuantizedWeight, is_quantized_param, scale_shape, with_matmul
 from jaxmtp.transformer import DeepseekV3
 
 
-def module(config: ModelConfig, dtype=jnp.float32, absorbed: bool = False) -> DeepseekV3:
-    return DeepseekV3(config, jnp.dtype(dtype), absorbed)
+def module(config: ModelConfig, dtype=jnp.float32, absorbed: bool = False, layout: Layout = CHECKPOINT) -> DeepseekV3:
+    return DeepseekV3(config, jnp.dtype(dtype), absorbed, layout)
 
 
 def positions_for(tokens: jax.Array) -> jax.Array:
@@ -26,18 +27,18 @@ def positions_for(tokens: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
-def _init_variables(config: ModelConfig, dtype, rng):
+def _init_variables(config: ModelConfig, dtype, rng, layout: Layout = CHECKPOINT):
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return module(config, dtype).init(rng, tokens, positions_for(tokens), method=DeepseekV3.init_all)
+    return module(config, dtype, layout=layout).init(rng, tokens, positions_for(tokens), method=DeepseekV3.init_all)
 
 
-def abstract_params(config: ModelConfig, dtype=jnp.float32, keep_fp8: bool = False) -> dict:
-    """Shapes and dtypes of every parameter, without allocating (jax.ShapeDtypeStruct leaves).
+def abstract_params(config: ModelConfig, dtype=jnp.float32, keep_fp8: bool = False, layout: Layout = CHECKPOINT) -> dict:
+    """Shapes and dtypes of every parameter in `layout`, without allocating (jax.ShapeDtypeStruct leaves).
 
     With keep_fp8 (and a quantized config), the weights a checkpoint stores in FP8 are
     QuantizedWeight(e4m3fn values, float32 block scales) instead of dense `dtype` arrays.
     """
-    boxed = jax.eval_shape(partial(_init_variables, config, jnp.dtype(dtype)), jax.random.key(0))
+    boxed = jax.eval_shape(partial(_init_variables, config, jnp.dtype(dtype), layout=layout), jax.random.key(0))
     params = nn.meta.unbox(boxed)["params"]
     if keep_fp8 and config.quantization is not None:
         params = _quantized_leaves(params, config.quantization.weight_block_size)
@@ -58,9 +59,9 @@ def _quantized_leaves(tree, block, path=()):
     return out
 
 
-def logical_axes(config: ModelConfig) -> dict:
-    """The logical axis names of every parameter, as a pytree of PartitionSpecs."""
-    boxed = jax.eval_shape(partial(_init_variables, config, jnp.float32), jax.random.key(0))
+def logical_axes(config: ModelConfig, layout: Layout = CHECKPOINT) -> dict:
+    """The logical axis names of every parameter in `layout`, as a pytree of PartitionSpecs."""
+    boxed = jax.eval_shape(partial(_init_variables, config, jnp.float32, layout=layout), jax.random.key(0))
     return nn.get_partition_spec(boxed)["params"]
 
 
@@ -82,16 +83,41 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
 
 @dataclasses.dataclass
 class Model:
-    """A DeepSeek-V3-family model: static config, parameter pytree and (later) its device mesh."""
+    """A DeepSeek-V3-family model: static config, parameter pytree, its device mesh (or None) and
+    the layout its parameters are arranged in (jaxmtp.layout; the checkpoint's unless converted)."""
 
     config: ModelConfig
     params: Any
     mesh: Any = None
+    layout: Layout = CHECKPOINT
+    _decoding: "Model | None" = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def with_matmul(self, matmul: str) -> "Model":
         """The same model with its FP8-kept weights multiplied by `matmul`: "fp8" (W8A8 block-scaled
         GEMM kernels) or "dequant" (dequantized on the fly). Dense weights are unaffected."""
         return dataclasses.replace(self, params=with_matmul(self.params, matmul))
+
+    def with_layout(self, layout: Layout) -> "Model":
+        """The same model with its parameters arranged in `layout` (from the checkpoint layout; new
+        arrays, on the mesh with the shardings XLA derives from the old ones)."""
+        if layout == self.layout:
+            return self
+        if self.layout != CHECKPOINT:
+            raise ValueError(f"with_layout: converts from the checkpoint layout only; this model is in {self.layout}")
+        with self.mesh_context():
+            params = jax.jit(partial(convert, layout=layout))(self.params)
+        return dataclasses.replace(self, params=params, layout=layout)
+
+    def decoding(self) -> "Model":
+        """This model in the layout that decodes fastest (`jaxmtp.layout.decode_layout`), converted
+        on first use and kept: `generate` runs on it. Holding both copies doubles the parameters'
+        memory; `model = model.decoding()` keeps only the decode copy (forward, mtp_forward and
+        generate work in any layout; `save` needs the checkpoint layout)."""
+        if self.layout != CHECKPOINT:  # converted already
+            return self
+        if self._decoding is None:
+            self._decoding = self.with_layout(decode_layout(self.config, self.params, self.mesh))
+        return self._decoding
 
     def mesh_context(self):
         """`jax.set_mesh(mesh)` for the model's mesh (the MoE layers read it to run expert-parallel)."""
@@ -105,7 +131,7 @@ class Model:
         """tokens [B, T] int -> (logits [B, T, V] float32, post-final-norm hidden [B, T, D])."""
         tokens = jnp.asarray(tokens, jnp.int32)
         with self.mesh_context():
-            return _forward(self.config, self.dtype, self.params, tokens)
+            return _forward(self.config, self.dtype, self.layout, self.params, tokens)
 
     def mtp_forward(self, hidden, next_tokens) -> jax.Array:
         """Teacher-forced MTP: slot p combines hidden[:, p] with Emb(next_tokens[:, p]) (= t_{p+1})
@@ -114,19 +140,20 @@ class Model:
             raise ValueError("mtp_forward: this model has no MTP module (num_nextn_predict_layers = 0)")
         next_tokens = jnp.asarray(next_tokens, jnp.int32)
         with self.mesh_context():
-            return _mtp_forward(self.config, self.dtype, self.params, jnp.asarray(hidden, self.dtype), next_tokens)
+            return _mtp_forward(self.config, self.dtype, self.layout, self.params, jnp.asarray(hidden, self.dtype),
+                                next_tokens)
 
 
-@partial(jax.jit, static_argnums=(0, 1))
-def _forward(config, dtype, params, tokens):
-    logits, hidden, _ = module(config, dtype).apply({"params": params}, tokens, positions_for(tokens))
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _forward(config, dtype, layout, params, tokens):
+    logits, hidden, _ = module(config, dtype, layout=layout).apply({"params": params}, tokens, positions_for(tokens))
     return logits, hidden
 
 
-@partial(jax.jit, static_argnums=(0, 1))
-def _mtp_forward(config, dtype, params, hidden, next_tokens):
-    logits, _, _ = module(config, dtype).apply({"params": params}, hidden, next_tokens,
-                                               positions_for(next_tokens), method=DeepseekV3.mtp_step)
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _mtp_forward(config, dtype, layout, params, hidden, next_tokens):
+    logits, _, _ = module(config, dtype, layout=layout).apply({"params": params}, hidden, next_tokens,
+                                                              positions_for(next_tokens), method=DeepseekV3.mtp_step)
     return logits
 
 

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmtp.config import ModelConfig
-from jaxmtp.layers import Dtype, Linear, normal_init
-from jaxmtp.quant import QuantizedWeight, grouped_linear, runs_fp8
+from jaxmtp.layers import Dtype, Linear, normal_init, projection_weight
+from jaxmtp.layout import CHECKPOINT, Layout
+from jaxmtp.quant import QuantizedWeight, grouped_linear, linear, runs_fp8
 
 
 class MLP(nn.Module):
@@ -23,15 +24,22 @@ class MLP(nn.Module):
     intermediate_size: int
     dtype: Dtype = jnp.float32
     axis: str = "mlp"
+    layout: Layout = CHECKPOINT
 
     def setup(self):
-        D, I, std = self.config.hidden_size, self.intermediate_size, self.config.initializer_range
-        self.gate_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std)
-        self.up_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std)
-        self.down_proj = Linear(I, D, ("embed", self.axis), self.dtype, std)
+        D, I, std, layout = self.config.hidden_size, self.intermediate_size, self.config.initializer_range, self.layout
+        self.gate_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std, layout)
+        self.up_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std, layout)
+        self.down_proj = Linear(I, D, ("embed", self.axis), self.dtype, std, layout)
 
     def __call__(self, x):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def swiglu(x, gate, up, down, inputs_first: bool):
+    """One expert on its own weights (what MLP computes): x [N, D] -> [N, D]; weights [I, D] /
+    [D, I] ([D, I] / [I, D] inputs first), dense or QuantizedWeight."""
+    return linear(nn.silu(linear(x, gate, inputs_first)) * linear(x, up, inputs_first), down, inputs_first)
 
 
 def route(logits: jax.Array, bias: jax.Array, config: ModelConfig):
@@ -59,33 +67,41 @@ def route(logits: jax.Array, bias: jax.Array, config: ModelConfig):
 
 
 class Router(nn.Module):
-    """Gate: weight [E, D] and the float32 selection bias [E]. x [N, D] -> (weights, experts)."""
+    """Gate: weight [E, D] ([D, E] inputs first) and the float32 selection bias [E].
+    x [N, D] -> (weights, experts)."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
+    layout: Layout = CHECKPOINT
 
     @nn.compact
     def __call__(self, x):
         c = self.config
-        weight = self.param("weight", normal_init(c.initializer_range, ("router", "embed")),
-                            (c.n_routed_experts, c.hidden_size), self.dtype)
+        weight = projection_weight(self, c.n_routed_experts, c.hidden_size, ("router", "embed"), self.dtype,
+                                   c.initializer_range, self.layout)
         bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("router",)),
                           (c.n_routed_experts,), jnp.float32)
-        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), weight.astype(jnp.float32))
+        logits = linear(x.astype(jnp.float32), weight.astype(jnp.float32), self.layout.inputs_first)
         return route(logits, bias, c)
 
 
 class Experts(nn.Module):
-    """Routed experts, weights stacked [E, out, in]; dropless sort-by-expert dispatch."""
+    """Routed experts, weights stacked [E, out, in], or (layout.split_experts) a tuple of E
+    per-expert weights [out, in] ([in, out] inputs first)."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
+    layout: Layout = CHECKPOINT
 
     @nn.compact
     def __call__(self, x, weights, experts):
         """x [N, D], weights/experts [N, K] -> [N, D] = sum_k weights[:, k] * Expert_{experts[:, k]}(x)."""
         c = self.config
         E, I, D = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        if self.layout.split_experts:
+            gate, up, down = (self.param(name, self.split_init, shape) for name, shape in
+                              (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))))
+            return split_experts(x, weights, experts, gate, up, down, self.layout.inputs_first)
         init = lambda axes: normal_init(c.initializer_range, axes)  # noqa: E731
         gate = self.param("gate_proj", init(("expert", "expert_mlp", "embed")), (E, I, D), self.dtype)
         up = self.param("up_proj", init(("expert", "expert_mlp", "embed")), (E, I, D), self.dtype)
@@ -99,6 +115,26 @@ class Experts(nn.Module):
         if mesh is None:
             return local_experts(x, weights, experts, gate, up, down, first=0, num_experts=E)
         return expert_parallel(mesh, x, weights, experts, gate, up, down, E)
+
+    def split_init(self, key, shape):
+        """E per-expert weights of checkpoint shape [out, in] (reversed inputs first)."""
+        shape = shape[::-1] if self.layout.inputs_first else shape
+        normal = nn.initializers.normal(self.config.initializer_range)
+        return tuple(normal(k, shape, self.dtype) for k in jax.random.split(key, self.config.n_routed_experts))
+
+
+def split_experts(x, weights, experts, gate, up, down, inputs_first):
+    """Routed experts on their own weights (split layout): each expert that some token chose runs
+    over all N tokens (lax.cond skips the others), and each token keeps its own experts' outputs,
+    weighted. Few tokens (decode) run only their K experts each; many (prefill) run every expert
+    over every token, E / K times the routed FLOPs, which the few experts of a split layout keep
+    small. x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights -> [N, D]."""
+    combine = (jax.nn.one_hot(experts, len(gate), dtype=x.dtype) * weights[..., None].astype(x.dtype)).sum(axis=1)
+    out = jnp.zeros_like(x)
+    for e, (g, u, d) in enumerate(zip(gate, up, down)):
+        run = lambda out, e=e, g=g, u=u, d=d: out + combine[:, e:e + 1] * swiglu(x, g, u, d, inputs_first)  # noqa: E731
+        out = jax.lax.cond(combine[:, e].any(), run, lambda out: out, out)
+    return out
 
 
 def gathered_experts(x, weights, experts, gate, up, down):
@@ -175,13 +211,14 @@ class MoE(nn.Module):
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
+    layout: Layout = CHECKPOINT
 
     def setup(self):
         c = self.config
-        self.gate = Router(c, self.dtype)
-        self.experts = Experts(c, self.dtype)
+        self.gate = Router(c, self.dtype, self.layout)
+        self.experts = Experts(c, self.dtype, self.layout)
         if c.n_shared_experts:
-            self.shared_experts = MLP(c, c.moe_intermediate_size * c.n_shared_experts, self.dtype)
+            self.shared_experts = MLP(c, c.moe_intermediate_size * c.n_shared_experts, self.dtype, layout=self.layout)
 
     def __call__(self, x):
         flat = x.reshape(-1, x.shape[-1])

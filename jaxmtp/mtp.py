@@ -7,6 +7,7 @@ from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
 from jaxmtp.decoder import DecoderLayer
 from jaxmtp.layers import Dtype, Linear, RMSNorm
+from jaxmtp.layout import CHECKPOINT, Layout
 
 
 class MTPBlock(nn.Module):
@@ -20,6 +21,7 @@ class MTPBlock(nn.Module):
     config: ModelConfig
     dtype: Dtype = jnp.float32
     absorbed: bool = False
+    layout: Layout = CHECKPOINT
 
     @nn.compact
     def __call__(self, hidden, next_embeds, positions, cache: MLACache | None = None):
@@ -27,7 +29,7 @@ class MTPBlock(nn.Module):
         c, D = self.config, self.config.hidden_size
         e = RMSNorm(D, c.rms_norm_eps, self.dtype, name="enorm")(next_embeds)
         h = RMSNorm(D, c.rms_norm_eps, self.dtype, name="hnorm")(hidden)
-        x = Linear(2 * D, D, ("embed", "embed_pair"), self.dtype, c.initializer_range, name="eh_proj")(
+        x = Linear(2 * D, D, ("embed", "embed_pair"), self.dtype, c.initializer_range, self.layout, name="eh_proj")(
             jnp.concatenate([e, h], axis=-1))
-        x, cache = DecoderLayer(c, self.dtype, moe=True, absorbed=self.absorbed, name="block")(x, positions, cache)
+        x, cache = DecoderLayer(c, self.dtype, moe=True, absorbed=self.absorbed, layout=self.layout, name="block")(x, positions, cache)
         return RMSNorm(D, c.rms_norm_eps, self.dtype, name="shared_head_norm")(x), cache

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.generation import Static, _generate, bucket
+from jaxmtp.layout import decode_layout
 from jaxmtp.model import abstract_params
 from jaxmtp.quant import QuantizedWeight, with_matmul
 from jaxmtp.sampling import SamplingMode, SamplingParams
@@ -29,14 +30,16 @@ def _per_device_bytes(array: jax.ShapeDtypeStruct) -> int:
 
 def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_len: int, k: int, dtype,
                     matmul: str = "dequant"):
-    """(Static, abstract arguments of `_generate`) for greedy generation on `mesh`; FP8 weights
+    """(Static, abstract arguments of `_generate`) for greedy generation on `mesh`, with the
+    parameters in the layout `generate` decodes in (jaxmtp.layout.decode_layout); FP8 weights
     (kept when the config is quantized) multiplied by `matmul`."""
     keep = config.quantization is not None
-    params = with_matmul(abstract_params(config, dtype, keep_fp8=keep), matmul)
-    shardings = param_shardings(config, params, mesh)
+    layout = decode_layout(config, abstract_params(config, dtype, keep_fp8=keep), mesh)
+    params = with_matmul(abstract_params(config, dtype, keep_fp8=keep, layout=layout), matmul)
+    shardings = param_shardings(config, params, mesh, layout)
     params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings)
     width = bucket(prompt_len, 16)
-    static = Static(config, jnp.dtype(dtype), k, SamplingMode(), max(width, max_len))
+    static = Static(config, jnp.dtype(dtype), k, SamplingMode(), max(width, max_len), layout)
     rows = batch_sharding(mesh, 1) if batch % mesh.shape["data"] == 0 else replicated(mesh)
     matrix = batch_sharding(mesh, 2) if batch % mesh.shape["data"] == 0 else replicated(mesh)
     scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated(mesh))  # noqa: E731
@@ -44,7 +47,8 @@ def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_
             jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows), jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows),
             scalar(jnp.int32), SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32)),
             jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh)),
-            jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rows))
+            jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rows),
+            jax.ShapeDtypeStruct((k + 1,), jnp.float32, sharding=replicated(mesh)), scalar(jnp.int32))
     return static, args
 
 

@@ -93,11 +93,15 @@ def with_matmul(params, matmul: str):
     return jax.tree.map(one, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
 
 
-def linear(x, weight) -> jax.Array:
-    """x [..., in] times weight [out, in] (dense or QuantizedWeight) transposed -> [..., out] in x.dtype."""
+def linear(x, weight, inputs_first: bool = False, out_dtype=None) -> jax.Array:
+    """x [..., in] times weight [out, in] (dense or QuantizedWeight) transposed, or times a dense
+    weight [in, out] stored inputs first -> [..., out] in out_dtype (default x.dtype; accumulated
+    in it)."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     if runs_fp8(weight):
-        return fp8_block_matmul(*act_quant(x), weight.value, weight.scale, out_dtype=x.dtype)
-    return jnp.einsum("...i,oi->...o", x, as_dense(weight, x.dtype))
+        return fp8_block_matmul(*act_quant(x), weight.value, weight.scale, out_dtype=out_dtype)
+    subscripts = "...i,io->...o" if inputs_first else "...i,oi->...o"
+    return jnp.einsum(subscripts, x, as_dense(weight, x.dtype), preferred_element_type=out_dtype)
 
 
 def grouped_linear(x, weight, group_sizes) -> jax.Array:

@@ -47,12 +47,13 @@ def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) ->
     return PartitionSpec(*out)
 
 
-def param_shardings(config: ModelConfig, params, mesh: Mesh):
-    """NamedSharding for every leaf of `params` (abstract or real; QuantizedWeight leaves get one
-    for the values and one for the block scales, cut along the same axes where they divide)."""
+def param_shardings(config: ModelConfig, params, mesh: Mesh, layout=None):
+    """NamedSharding for every leaf of `params` (abstract or real, in `layout`, default the
+    checkpoint's; QuantizedWeight leaves get one for the values and one for the block scales, cut
+    along the same axes where they divide)."""
     from jaxmtp.model import logical_axes
 
-    axes = logical_axes(config)
+    axes = logical_axes(config) if layout is None else logical_axes(config, layout)
 
     def one(logical, leaf):
         if isinstance(leaf, QuantizedWeight):

@@ -8,6 +8,7 @@ from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
 from jaxmtp.decoder import LayerStack
 from jaxmtp.layers import Dtype, Embed, Linear, RMSNorm
+from jaxmtp.layout import CHECKPOINT, Layout
 from jaxmtp.mtp import MTPBlock
 
 
@@ -15,25 +16,28 @@ class DeepseekV3(nn.Module):
     """Main model and MTP module sharing one embedding and one output head.
 
     Caches are a dict {"dense": MLACache, "moe": MLACache} for the main stacks (either may be
-    absent when its stack is empty) and one MLACache for the MTP layer.
+    absent when its stack is empty; per-layer tuples of MLACaches in an unrolled layout) and one
+    MLACache for the MTP layer. `layout` (jaxmtp.layout) says how the parameters are arranged.
     """
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
     absorbed: bool = False
+    layout: Layout = CHECKPOINT
 
     def setup(self):
-        c = self.config
+        c, layout = self.config, self.layout
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size, self.dtype, c.initializer_range)
         if c.num_dense_layers:
-            self.dense_layers = LayerStack(c, c.num_dense_layers, self.dtype, moe=False, absorbed=self.absorbed)
+            self.dense_layers = LayerStack(c, c.num_dense_layers, self.dtype, False, self.absorbed, layout)
         if c.num_moe_layers:
-            self.moe_layers = LayerStack(c, c.num_moe_layers, self.dtype, moe=True, absorbed=self.absorbed)
+            self.moe_layers = LayerStack(c, c.num_moe_layers, self.dtype, True, self.absorbed, layout)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, ("vocab", "embed"), self.dtype, c.initializer_range)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, ("vocab", "embed"), self.dtype, c.initializer_range,
+                                  layout)
         if c.has_mtp:
-            self.mtp = MTPBlock(c, self.dtype, self.absorbed)
+            self.mtp = MTPBlock(c, self.dtype, self.absorbed, layout)
 
     def __call__(self, tokens, positions, caches: dict | None = None):
         """tokens, positions [B, T] -> (logits [B, T, V] f32, post-norm hidden [B, T, D], caches)."""
@@ -55,8 +59,7 @@ class DeepseekV3(nn.Module):
         """Shared output head. hidden [B, T, D] -> float32 logits [B, T, V]."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.attend(hidden)
-        return jnp.einsum("btd,vd->btv", hidden, self.lm_head.weight.astype(hidden.dtype),
-                          preferred_element_type=jnp.float32)
+        return self.lm_head(hidden, out_dtype=jnp.float32)
 
     def mtp_step(self, hidden, next_tokens, positions, cache: MLACache | None = None):
         """One MTP pass. hidden [B, T, D] (main post-norm or recycled MTP output), next_tokens [B, T]

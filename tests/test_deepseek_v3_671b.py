@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxmtp
+from jaxmtp.layout import CHECKPOINT
 from jaxmtp.model import _forward, _mtp_forward, abstract_params, parameter_counts
 
 V3 = jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v3_671b.json")
@@ -34,9 +35,16 @@ def test_forward_and_mtp_lower_from_abstract_parameters():
     params = abstract_params(V3, jnp.bfloat16)
     assert params["moe_layers"]["layers"]["mlp"]["experts"]["gate_proj"].shape == (58, 256, 2048, 7168)
     tokens = jax.ShapeDtypeStruct((1, 64), jnp.int32)
-    lowered = _forward.lower(V3, jnp.dtype(jnp.bfloat16), params, tokens)
+    lowered = _forward.lower(V3, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, tokens)
     logits, hidden = lowered.out_info
     assert logits.shape == (1, 64, 129280) and hidden.shape == (1, 64, 7168)
     hidden_in = jax.ShapeDtypeStruct((1, 64, 7168), jnp.bfloat16)
-    mtp_logits = _mtp_forward.lower(V3, jnp.dtype(jnp.bfloat16), params, hidden_in, tokens).out_info
+    mtp_logits = _mtp_forward.lower(V3, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, hidden_in, tokens).out_info
     assert mtp_logits.shape == (1, 64, 129280)
+
+
+def test_the_671b_model_decodes_with_its_scanned_stacks():
+    """Too large to unroll (jaxmtp.layout.MAX_UNROLLED_BYTES): generate keeps the checkpoint layout."""
+    from jaxmtp.layout import decode_layout
+
+    assert decode_layout(V3, abstract_params(V3, jnp.bfloat16, keep_fp8=True)) == CHECKPOINT

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import generation_models as gm
 import jaxmtp
-from jaxmtp.generation import TRACES, _generate, prepare
+from jaxmtp.generation import AUTO_MAX_K, AUTO_SEGMENT, TRACES, _generate, prepare, unpack
 
 MAX_NEW = 12
 
@@ -79,7 +79,7 @@ def test_bad_arguments_fail_before_any_work():
         jaxmtp.generate(model, too_long)
     with pytest.raises(ValueError, match=r"prompts\[1\]: token id 512 outside the vocabulary \[0, 512\)"):
         jaxmtp.generate(model, [[1], [512]])
-    with pytest.raises(ValueError, match=r"speculative_k: expected 0..8, found 9"):
+    with pytest.raises(ValueError, match=r"speculative_k: expected \"auto\" or an integer 0..8, found 9"):
         jaxmtp.generate(model, [[1]], speculative_k=9)
     no_mtp = jaxmtp.Model(model.config.replace(num_nextn_predict_layers=0),
                           {key: v for key, v in model.params.items() if key != "mtp"})
@@ -127,3 +127,90 @@ def test_generate_cli_with_a_tokenizer(tmp_path, capsys):
     ids = tokenizer.encode("def fib").ids
     expected = tokenizer.decode(ids) + tokenizer.decode(jaxmtp.generate(model, [ids], max_new_tokens=6).tokens[0])
     assert expected in capsys.readouterr().out
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(["partial", "always", "never"]),
+       prompts=st.lists(st.lists(st.integers(0, gm.TINY.vocab_size - 1), min_size=1, max_size=12),
+                        min_size=1, max_size=3))
+def test_auto_k_greedy_is_plain_greedy(kind, prompts):
+    model = gm.model(kind)
+    plain = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW)
+    auto = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW, speculative_k="auto")
+    assert auto.tokens == plain.tokens
+    costs = auto.stats["round_costs"]
+    assert len(costs) == AUTO_MAX_K + 1 and costs[0] == 1.0
+    for row in auto.stats["per_row"]:  # every round of a row is counted at the k it ran
+        assert sum(row["rounds_by_k"].values()) == row["main_forward_passes"] - 1
+
+
+@pytest.mark.parametrize("force", [0, 1, 3])
+def test_every_forced_k_of_the_auto_loop_is_plain_greedy(force):
+    """The auto loop's branches, each taken for a whole run, give plain greedy's tokens."""
+    model = gm.model("partial")
+    prompts = [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16]]
+    plain = jaxmtp.generate(model, prompts, max_new_tokens=20)
+    prepared = prepare(model, prompts, max_new_tokens=20, speculative_k="auto")
+    args = prepared.args[:-1] + (jax.numpy.int32(force),)
+    out = unpack(prepared, _generate(prepared.static, *args))
+    assert out.tokens == plain.tokens
+    assert set(out.stats["rounds_by_k"]) == {force}
+
+
+def test_auto_follows_acceptance():
+    """With costs under which every k pays at the prior's acceptance, an MTP that is always right is
+    driven up to the most drafts as each draft position proves itself, and one that is never right
+    is turned off within a few segments."""
+    prompts = [[3, 4, 5]]
+    costs = [1.0, 1.5, 1.8, 2.0, 2.1]
+    runs = {}
+    for kind in ("always", "never"):
+        prepared = prepare(gm.model(kind), prompts, max_new_tokens=100, speculative_k="auto").with_costs(costs)
+        runs[kind] = unpack(prepared, _generate(prepared.static, *prepared.args)).stats["rounds_by_k"]
+    assert min(runs["always"]) >= 2 and max(runs["always"]) == AUTO_MAX_K and runs["always"][AUTO_MAX_K] >= 8
+    assert runs["never"].get(0, 0) >= 60 and sum(n for k, n in runs["never"].items() if k) <= 3 * AUTO_SEGMENT
+
+
+def test_auto_runs_the_plain_loop_when_no_k_pays_at_the_prior():
+    prepared = prepare(gm.model("always"), [[3, 4]], max_new_tokens=8, speculative_k="auto")
+    plain = prepared.with_costs([1.0, 1.8, 2.3, 2.7, 3.0])  # 1.7 / 1.8, 2.19 / 2.3, ... all below 1
+    assert plain.static.k == 0 and not plain.static.auto
+    assert prepared.with_costs([1.0, 1.6, 2.3, 2.7, 3.0]).static.auto  # 1.7 / 1.6 pays
+
+
+def test_expected_tokens_and_best_k_follow_the_formula():
+    from jaxmtp.adaptive import DECAY, PRIOR_ACCEPTANCE, PRIOR_ROUNDS, AcceptanceCounts, best_k, expected_tokens
+
+    c = np.array([0.9, 0.5, 0.8, 0.2], np.float32)
+    want = [1.0, 1.9, 1.9 + 0.45, 1.9 + 0.45 + 0.36, 1.9 + 0.45 + 0.36 + 0.072]
+    np.testing.assert_allclose(expected_tokens(jax.numpy.asarray(c)), want, rtol=1e-6)
+    counts = AcceptanceCounts.zeros(4)
+    for _ in range(200):  # draft 1 accepted in every round, draft 2 never
+        counts = counts.update(4, jax.numpy.array([1]), jax.numpy.array([True]))
+    tried = (1 - DECAY ** 200) / (1 - DECAY)  # decayed count of 200 rounds
+    prior = PRIOR_ACCEPTANCE * PRIOR_ROUNDS
+    np.testing.assert_allclose(counts.conditional(), [(tried + prior) / (tried + PRIOR_ROUNDS),
+                                                      prior / (tried + PRIOR_ROUNDS), PRIOR_ACCEPTANCE,
+                                                      PRIOR_ACCEPTANCE], rtol=1e-5)
+    costs = jax.numpy.array([1.0, 1.5, 1.8, 2.0, 2.2])
+    assert int(best_k(counts, costs)) == 1  # 2 tokens for 1.5 steps beats 1 for 1 and ~2.0 for 1.8
+
+
+def test_round_costs_are_measured_once_and_kept(tmp_path, monkeypatch):
+    from jaxmtp import calibration
+
+    monkeypatch.setenv("JAXMTP_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def run(k, new_tokens):
+        calls.append(k)
+        return 0.001 * (1 + k) * new_tokens / (k + 1) + 0.0005, new_tokens // (k + 1)
+
+    key = "device|model|shapes"
+    first = calibration.round_costs(key, run, 2)
+    assert first[0] == 1.0 and first[1] == pytest.approx(2.0, rel=0.05) and first[2] == pytest.approx(3.0, rel=0.05)
+    count = len(calls)
+    assert calibration.round_costs(key, run, 2) == first and len(calls) == count  # read from the file
+    assert (tmp_path / calibration.FILE).exists()
+    (tmp_path / calibration.FILE).write_text("not json")  # a damaged file is measured again
+    assert calibration.round_costs(key, run, 2) == pytest.approx(first) and len(calls) > count

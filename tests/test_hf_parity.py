@@ -39,6 +39,20 @@ def test_mtp_matches_transformers_mtp_layer(pair):
     np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=1e-4)
 
 
+def test_decode_layout_matches_transformers(pair):
+    """The layout generation decodes in (unrolled, split experts, [in, out] weights) is the same model."""
+    main, mtp, model, ids = pair
+    decoding = model.decoding()
+    assert decoding.layout.unrolled and decoding.layout.inputs_first
+    with torch.no_grad():
+        expected_logits = main(ids[:, :LENGTH]).logits.numpy()
+        hidden = main.model(ids[:, :LENGTH]).last_hidden_state
+        expected_mtp = ref.mtp_logits(mtp, hidden, ids[:, 1:]).numpy()
+    np.testing.assert_allclose(np.asarray(decoding.forward(ids[:, :LENGTH].numpy())[0]), expected_logits, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(decoding.mtp_forward(hidden.numpy(), ids[:, 1:].numpy())), expected_mtp,
+                               rtol=0, atol=1e-4)
+
+
 def test_loaded_parameters_equal_checkpoint(pair):
     """Spot-check the name mapping: stacked layer and expert slices hold the HF tensors."""
     main, _, model, _ = pair

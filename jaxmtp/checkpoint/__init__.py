@@ -42,6 +42,9 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
 def save(model, path, format="hf", max_shard_bytes=4 << 30):
     """Writes `model` to directory `path` as format "hf" (safetensors files of at most
     `max_shard_bytes` each, plus their index) or "orbax"."""
+    if model.layout.unrolled:
+        raise ValueError(f"save: the model's parameters are in the decode layout {model.layout}; save the model "
+                         "they were converted from (checkpoints hold the checkpoint layout)")
     if format == "hf":
         save_hf(model, os.fspath(path), max_shard_bytes)
     elif format == "orbax":

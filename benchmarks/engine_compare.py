@@ -1,0 +1,128 @@
+"""This tree's decode engine against an earlier commit's, side by side on the same machine.
+
+Each engine runs in its own worker process (its own `import jaxmtp`); both load the demo model,
+compile generation for the same held-out prompts (batch 1, greedy, each prompt alone), and then
+run on command, alternately, so that drifts of a shared machine hit both alike. Printed per k:
+the median tokens/s of each engine over --repeats runs, total (with each prompt's prefill) and
+decode only (the prefill timed apart with max_new_tokens=1 and subtracted), and the ratio.
+
+    python benchmarks/engine_compare.py [--base 479f24b] [--ks 0,2] [--repeats 7] [--prompts 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int]):
+    """Answers "run K" lines on stdin with one JSON line: seconds for all prompts, new tokens,
+    and the prefill-only seconds."""
+    import jax
+    import jaxmtp
+    from jaxmtp import data
+    from jaxmtp.generation import _generate, prepare
+    from tokenizers import Tokenizer
+
+    model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
+    tokenizer = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json"))
+    held_out = data.encode(tokenizer, data.read(data.source_files()[1]))
+    prompts = data.prompts_from(held_out, prompt_count, prompt_len)
+
+    def compiled(k, new):
+        runs, cache = [], {}
+        for p in prompts:
+            prepared = prepare(model, [p], new, speculative_k=k)
+            signature = (prepared.static, prepared.args[1].shape)  # one compile per bucket
+            if signature not in cache:
+                cache[signature] = _generate.lower(prepared.static, *prepared.args).compile()
+            runs.append((cache[signature], prepared.args))
+        return runs
+
+    def seconds(runs):
+        start = time.perf_counter()
+        outs = [jax.block_until_ready(fn(*args)) for fn, args in runs]
+        return time.perf_counter() - start, outs
+
+    full = {k: compiled(k, max_new_tokens) for k in ks}
+    first = {k: compiled(k, 1) for k in ks}
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        k = int(line.split()[1])
+        total, outs = seconds(full[k])
+        prefill, _ = seconds(first[k])
+        tokens = sum(int(out[1][0]) for out in outs)  # out[1]: new tokens per row
+        print(json.dumps({"seconds": total, "prefill_seconds": prefill, "tokens": tokens, "prompts": len(prompts)}),
+              flush=True)
+
+
+def start_worker(tree: str, args) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=tree)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--prompts", str(args.prompts),
+           "--prompt-len", str(args.prompt_len), "--max-new-tokens", str(args.max_new_tokens), "--ks", args.ks]
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert json.loads(proc.stdout.readline())["ready"], f"worker in {tree} did not start"
+    return proc
+
+
+def ask(proc: subprocess.Popen, k: int) -> dict:
+    proc.stdin.write(f"run {k}\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="479f24b", help="the earlier commit")
+    parser.add_argument("--ks", default="0")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.worker:
+        return worker(args.prompts, args.prompt_len, args.max_new_tokens, ks)
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = os.path.join(tmp, "base")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", base_tree, args.base], check=True,
+                       capture_output=True)
+        try:
+            engines = {"base": start_worker(base_tree, args), "this": start_worker(ROOT, args)}
+            runs = {(name, k): [] for name in engines for k in ks}
+            for _ in range(args.repeats):
+                for k in ks:
+                    for name, proc in engines.items():
+                        runs[name, k].append(ask(proc, k))
+            for proc in engines.values():
+                proc.stdin.close()
+                proc.wait()
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_tree], capture_output=True)
+    print(f"demo model, {args.prompts} held-out prompts of {args.prompt_len} tokens, batch 1, greedy, "
+          f"{args.max_new_tokens} new tokens; median of {args.repeats} alternating runs; base = {args.base}")
+    print(f"{'k':>2} {'engine':>6} {'tokens/s':>9} {'decode tok/s':>13}")
+    for k in ks:
+        rates = {}
+        for name in engines:
+            r = runs[name, k]
+            total = statistics.median(x["tokens"] / x["seconds"] for x in r)
+            decode = statistics.median((x["tokens"] - x["prompts"]) / (x["seconds"] - x["prefill_seconds"]) for x in r)
+            rates[name] = (total, decode)
+            print(f"{k:>2} {name:>6} {total:>9.1f} {decode:>13.1f}")
+        print(f"{k:>2} {'ratio':>6} {rates['this'][0] / rates['base'][0]:>8.2f}x "
+              f"{rates['this'][1] / rates['base'][1]:>12.2f}x")
+
+
+if __name__ == "__main__":
+    main()

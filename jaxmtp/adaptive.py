@@ -1,0 +1,63 @@
+"""Choosing k while generating (`speculative_k="auto"`): the expected tokens per unit of time.
+
+A round at k costs `cost[k]` plain steps (measured once per device, model and shape bucket, see
+jaxmtp.calibration) and yields 1 + sum_{i<=k} P(drafts 1..i all accepted) tokens. With c_i the
+conditional acceptance of draft i (accepted, given that drafts 1..i-1 were), that is
+E_k = 1 + sum_{i<=k} prod_{j<=i} c_j, and the rule picks the k in 0..k_max that maximises
+E_k / cost[k]. Each c_i is the mean of a Beta posterior over the rounds in which draft i was
+tried: a prior worth PRIOR_ROUNDS rounds at PRIOR_ACCEPTANCE, plus the counts of the running call,
+which decay by DECAY per round so that the estimate follows acceptance as the text changes.
+
+Every round is an exact verification whatever its k, so switching k keeps greedy output identical
+to plain decoding and sampled output exactly distributed. Rounds at k = 0 draft nothing, measure
+nothing and leave the MTP cache as it is; once decay has brought the counts back towards the
+prior the rule may try drafting again, and those first drafts read an MTP cache without the
+plainly decoded positions (fewer of them are accepted until the repair passes have refilled it).
+Where the rule picks k = 0 at the prior itself, it would never leave it: generation then runs the
+plain loop (`Prepared.with_costs`).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+PRIOR_ACCEPTANCE = 0.7
+PRIOR_ROUNDS = 16.0
+DECAY = 0.99
+
+
+@flax.struct.dataclass
+class AcceptanceCounts:
+    """Batch-wide, decayed counts per draft position i = 1..k_max: tried [k_max] (rounds in which
+    draft i was verified, i.e. drafts 1..i-1 were accepted), accepted [k_max]."""
+
+    tried: jax.Array
+    accepted: jax.Array
+
+    @classmethod
+    def zeros(cls, k_max: int) -> "AcceptanceCounts":
+        return cls(jnp.zeros((k_max,), jnp.float32), jnp.zeros((k_max,), jnp.float32))
+
+    def update(self, k: int, accepted: jax.Array, active: jax.Array) -> "AcceptanceCounts":
+        """After a round at k: accepted [B] drafts per row, active [B] rows that took part."""
+        position = jnp.arange(1, self.tried.shape[0] + 1)
+        tried = (position[None] <= jnp.minimum(accepted + 1, k)[:, None]) & active[:, None]
+        hit = (position[None] <= accepted[:, None]) & active[:, None]
+        return AcceptanceCounts(DECAY * self.tried + tried.sum(0), DECAY * self.accepted + hit.sum(0))
+
+    def conditional(self) -> jax.Array:
+        """Posterior mean acceptance of each draft given the ones before it [k_max]."""
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_ROUNDS) / (self.tried + PRIOR_ROUNDS)
+
+
+def expected_tokens(conditional: jax.Array) -> jax.Array:
+    """c [k_max] -> E_k [k_max + 1]: tokens per round at k = 0..k_max."""
+    reach = jnp.cumprod(conditional)  # P(drafts 1..i accepted)
+    return 1.0 + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(reach)])
+
+
+def best_k(counts: AcceptanceCounts, costs: jax.Array) -> jax.Array:
+    """The k in 0..k_max with the most expected tokens per plain step. costs [k_max + 1] -> int32."""
+    return jnp.argmax(expected_tokens(counts.conditional()) / costs).astype(jnp.int32)

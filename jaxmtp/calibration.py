@@ -1,0 +1,85 @@
+"""What a speculative round at each k costs on this machine, measured once and kept on disk.
+
+The cost of a round at k (draft k tokens, verify k + 1 rows, repair) in units of a plain decoding
+step depends on the device, the model (config, dtype, parameter layout) and the shapes (batch and
+cache buckets), not on the text. `generate(speculative_k="auto")` measures it the first time it
+meets such a combination, by running its own compiled loop with k forced to each value (so nothing
+extra is compiled), and stores the figures in a JSON file keyed by all of the above and by the jax
+version. The file lives in $JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+from collections.abc import Callable
+
+import jax
+
+FILE = "round_costs.json"
+ROUNDS = 48  # timed rounds per k
+REPEATS = 5
+
+
+def cache_dir() -> str:
+    return os.environ.get("JAXMTP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxmtp")
+
+
+def key(config_json: dict, dtype, layout, batch: int, prompt_len: int, cache_len: int, k_max: int) -> str:
+    """Everything the costs depend on, as one string (the model config by its digest)."""
+    device = jax.devices()[0]
+    digest = hashlib.sha256(json.dumps(config_json, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return (f"{device.platform}:{device.device_kind}:n{jax.device_count()}|jax {jax.__version__}|{digest}|"
+            f"{jax.numpy.dtype(dtype).name}|{layout}|batch {batch}|prompt {prompt_len}|cache {cache_len}|k<={k_max}")
+
+
+def _read() -> dict:
+    path = os.path.join(cache_dir(), FILE)
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):  # absent or unreadable: measure again
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _write(table: dict):
+    """Atomically: a temporary file beside the table, renamed over it."""
+    directory = cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    os.replace(tmp, os.path.join(directory, FILE))
+
+
+def measure(run: Callable[[int, int], tuple[float, int]], k_max: int) -> list[float]:
+    """Round costs in plain steps for k = 0..k_max.
+
+    run(k, new_tokens) runs the compiled loop with k forced and returns (seconds, rounds). A round's
+    time is (time of a run - time of the prefill alone) / its rounds; the median of REPEATS runs.
+    Each k is measured in turn within every repeat, so that drifts hit all alike."""
+    times = {k: [] for k in range(k_max + 1)}
+    run(0, 1)  # first call: warm-up
+    for _ in range(REPEATS):
+        prefill, _ = run(0, 1)
+        for k in range(k_max + 1):
+            seconds, rounds = run(k, ROUNDS * (k + 1))
+            times[k].append(max(seconds - prefill, 1e-9) / max(rounds, 1))
+    plain = statistics.median(times[0])
+    return [statistics.median(times[k]) / plain for k in range(k_max + 1)]
+
+
+def round_costs(cache_key: str, run: Callable[[int, int], tuple[float, int]], k_max: int) -> list[float]:
+    """The stored costs for this key, or measured now and stored."""
+    stored = _read().get(cache_key)
+    if isinstance(stored, list) and len(stored) == k_max + 1:
+        return [float(c) for c in stored]
+    costs = measure(run, k_max)
+    table = _read()
+    table[cache_key] = costs
+    _write(table)
+    return costs

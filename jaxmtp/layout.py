@@ -1,0 +1,125 @@
+"""Parameter layouts: the checkpoint's, and the one that decoding runs fastest in.
+
+Both hold the same numbers; a layout only arranges them differently, and every Flax module reads
+its parameters in whichever layout it is given (`layout` attribute), so the model math exists once.
+
+- unrolled: each layer stack's layers as parameters of their own (`layers_0 .. layers_{L-1}`,
+  with one cache per layer) instead of arrays stacked on a leading `layers` axis run by nn.scan.
+  A scanned stack slices each layer's weights and cache out of the stacked arrays on every step
+  and writes the cache back.
+- split_experts: a layer's routed expert weights as a tuple of E arrays, so that each expert a
+  token chose runs on that expert's own buffers (`lax.cond` per expert), with no gather or slice
+  of the stack (a slice of an operand is a copy in XLA: 3x the time for one token of the demo).
+- inputs_first: dense projection weights stored [in, out], multiplied as x @ W. For two or more
+  rows XLA's CPU GEMM re-packs an [out, in] weight on every call (3x slower at 4 rows for the
+  demo's 512 x 128 projections, `benchmarks/decode_step.py`). kv_b_proj keeps [out, in]: it is only
+  read as per-head up-projections. FP8-kept weights keep theirs: the kernels take [out, in] blocks.
+
+`decode_layout` picks the layout for a model and `convert` derives its parameters, once per model
+(`Model.decoding`): the checkpoint layout for models too large to unroll.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxmtp.config import ModelConfig
+from jaxmtp.quant import QuantizedWeight
+
+# Routed experts are split only for small expert counts: every expert has its own branch in every
+# MoE layer, and many tokens run every expert over all of them.
+MAX_SPLIT_EXPERTS = 16
+# Larger models keep their scanned stacks: for DeepSeek-V3 671B on 64 devices (`jaxmtp plan`,
+# FP8 kept) unrolling the 61 layers raised the compile time from 6 s to 44 s and XLA's temporaries
+# from 48 to 112 GB per device.
+MAX_UNROLLED_BYTES = 8 << 30
+# Weights that keep the checkpoint's [out, in] layout under inputs_first.
+OUT_IN_ONLY = frozenset({"kv_b_proj", "embed_tokens"})
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # under each layer's `experts`
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the parameters are arranged (static, part of every compiled function's signature)."""
+
+    unrolled: bool = False
+    split_experts: bool = False
+    inputs_first: bool = False
+
+    def __post_init__(self):
+        if (self.split_experts or self.inputs_first) and not self.unrolled:
+            raise ValueError(f"{self}: split_experts and inputs_first apply to unrolled layers only")
+
+
+CHECKPOINT = Layout()
+
+
+def _bytes(params) -> int:
+    """Bytes of all parameters (arrays or abstract shapes; FP8 values and scales both counted)."""
+    return sum(leaf.size * jax.numpy.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(params))
+
+
+def _has_quantized(params) -> bool:
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return any(isinstance(leaf, QuantizedWeight) for leaf in leaves)
+
+
+def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
+    """The layout to decode this model in: the checkpoint's (scanned) for models of more than
+    MAX_UNROLLED_BYTES of parameters, otherwise unrolled. Models with weights kept in FP8 stay
+    otherwise as they are (the FP8 kernels take the stacked [out, in] blocks). Dense models store
+    projections inputs first, and split their experts when there are at most MAX_SPLIT_EXPERTS and
+    no mesh axis runs them expert-parallel (that needs the stack)."""
+    if _bytes(params) > MAX_UNROLLED_BYTES:
+        return CHECKPOINT
+    if _has_quantized(params):
+        return Layout(unrolled=True)
+    parallel = mesh is not None and mesh.shape.get("expert", 1) * mesh.shape.get("tensor", 1) > 1
+    split = config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel
+    return Layout(unrolled=True, split_experts=split, inputs_first=True)
+
+
+def convert(params, layout: Layout):
+    """Checkpoint-layout parameters -> the same parameters in `layout` (new arrays where the
+    arrangement changes; jit it to keep a mesh's shardings)."""
+    if not layout.unrolled:
+        return params
+    params = dict(params)
+    for group in ("dense_layers", "moe_layers"):
+        if group in params:
+            stacked = params[group]["layers"]
+            count = jax.tree.leaves(stacked)[0].shape[0]
+            params[group] = {f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(count)}
+    if layout.split_experts:
+        params = _split_experts(params)
+    if layout.inputs_first:
+        params = jax.tree_util.tree_map_with_path(_to_inputs_first, params,
+                                                  is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return params
+
+
+def _split_experts(tree):
+    """Every `experts` entry {gate_proj: [E, ., .], ...} -> {gate_proj: (E arrays [., .]), ...}."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for key, value in tree.items():
+        if key == "experts":
+            out[key] = {name: tuple(jax.tree.map(lambda a, e=e: a[e], value[name])
+                                    for e in range(jax.tree.leaves(value[name])[0].shape[0]))
+                        for name in EXPERT_WEIGHTS}
+        else:
+            out[key] = _split_experts(value)
+    return out
+
+
+def _to_inputs_first(path, leaf):
+    """A dense projection weight [out, in] -> [in, out]; everything else unchanged."""
+    names = [getattr(key, "key", None) for key in path]
+    projection = names[-1] == "weight" and names[-2] not in OUT_IN_ONLY
+    expert = "experts" in names  # split: one [out, in] per expert (a stacked [E, out, in] is 3-D)
+    if isinstance(leaf, QuantizedWeight) or leaf.ndim != 2 or not (projection or expert):
+        return leaf
+    return leaf.T

@@ -1,0 +1,96 @@
+"""The decode layout (unrolled layers, split experts, [in, out] weights) computes the same model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import generation_models as gm
+import jaxmtp
+from jaxmtp.layout import CHECKPOINT, Layout, decode_layout
+from jaxmtp.quant import QuantizedWeight, quantize_params
+
+TOKENS = np.random.default_rng(3).integers(0, gm.TINY.vocab_size, (2, 24))
+
+
+def _relative(a, b):
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+@pytest.mark.parametrize("layout", [Layout(unrolled=True), Layout(unrolled=True, inputs_first=True),
+                                    Layout(unrolled=True, split_experts=True, inputs_first=True)])
+def test_forward_and_mtp_equal_the_checkpoint_layout(layout):
+    model = gm.model("random")
+    converted = model.with_layout(layout)
+    logits, hidden = model.forward(TOKENS)
+    got_logits, got_hidden = converted.forward(TOKENS)
+    assert _relative(got_logits, logits) < 1e-5 and _relative(got_hidden, hidden) < 1e-5
+    assert _relative(converted.mtp_forward(hidden, TOKENS), model.mtp_forward(hidden, TOKENS)) < 1e-5
+
+
+def test_converted_parameters_are_the_checkpoint_tensors_rearranged():
+    model = gm.model("random")
+    dense = model.with_layout(decode_layout(model.config, model.params))
+    assert dense.layout == Layout(unrolled=True, split_experts=True, inputs_first=True)
+    stacked, layer = model.params["moe_layers"]["layers"], dense.params["moe_layers"]["layers_2"]
+    np.testing.assert_array_equal(layer["self_attn"]["q_b_proj"]["weight"], stacked["self_attn"]["q_b_proj"]["weight"][2].T)
+    np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["weight"], stacked["self_attn"]["kv_b_proj"]["weight"][2])
+    np.testing.assert_array_equal(layer["mlp"]["experts"]["down_proj"][5], stacked["mlp"]["experts"]["down_proj"][2, 5].T)
+    np.testing.assert_array_equal(layer["mlp"]["gate"]["weight"], stacked["mlp"]["gate"]["weight"][2].T)
+    np.testing.assert_array_equal(dense.params["lm_head"]["weight"], model.params["lm_head"]["weight"].T)
+    np.testing.assert_array_equal(dense.params["embed_tokens"]["weight"], model.params["embed_tokens"]["weight"])
+
+
+def test_fp8_kept_weights_are_only_unrolled_and_still_exact():
+    model = gm.model("random")
+    fp8 = jaxmtp.Model(model.config, quantize_params(model.params))
+    layout = decode_layout(fp8.config, fp8.params)
+    assert layout == Layout(unrolled=True)
+    converted = fp8.with_layout(layout)
+    weight = converted.params["moe_layers"]["layers_0"]["self_attn"]["o_proj"]["weight"]
+    assert isinstance(weight, QuantizedWeight) and weight.value.ndim == 2
+    assert _relative(converted.forward(TOKENS)[0], fp8.forward(TOKENS)[0]) < 1e-5
+
+
+def test_a_mesh_that_runs_experts_in_parallel_keeps_them_stacked():
+    from jaxmtp.sharding import make_mesh
+
+    mesh = make_mesh(expert=2, tensor=4)
+    assert not decode_layout(gm.TINY, gm.model("random").params, mesh).split_experts
+    assert decode_layout(gm.TINY, gm.model("random").params, make_mesh(data=8)).split_experts
+
+
+def test_layout_rules():
+    with pytest.raises(ValueError, match="unrolled layers only"):
+        Layout(inputs_first=True)
+    model = gm.model("random")
+    assert model.decoding() is model.decoding()  # converted once, kept
+    assert model.decoding().decoding() is model.decoding()
+    with pytest.raises(ValueError, match="from the checkpoint layout only"):
+        model.decoding().with_layout(CHECKPOINT)
+
+
+def test_split_experts_match_the_per_token_formula():
+    from test_routing import reference_experts
+
+    from jaxmtp.moe import split_experts
+
+    rng = np.random.default_rng(0)
+    for tokens in (1, 3, 9):
+        x = rng.normal(size=(tokens, 16)).astype(np.float32)
+        gate, up = (rng.normal(size=(8, 8, 16)).astype(np.float32) for _ in range(2))
+        down = rng.normal(size=(8, 16, 8)).astype(np.float32)
+        experts = np.stack([rng.choice(8, 2, replace=False) for _ in range(tokens)]).astype(np.int32)
+        weights = rng.uniform(0.1, 2.0, (tokens, 2)).astype(np.float32)
+        want = reference_experts(x, weights, experts, gate, up, down)
+        for inputs_first in (False, True):
+            arrange = (lambda w: tuple(jnp.asarray(e.T) for e in w)) if inputs_first else \
+                (lambda w: tuple(jnp.asarray(e) for e in w))
+            got = jax.jit(split_experts, static_argnums=6)(x, weights, experts, arrange(gate), arrange(up), arrange(down),
+                                                            inputs_first)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_save_refuses_the_decode_layout(tmp_path):
+    with pytest.raises(ValueError, match="decode layout"):
+        jaxmtp.save(gm.model("random").decoding(), tmp_path / "m")
