@@ -1,8 +1,8 @@
 """What a speculative round at each k costs on this machine, measured once and kept on disk.
 
 The cost of a round at k (draft k tokens, verify k + 1 rows, repair) in units of a plain decoding
-step depends on the device, the model (config, dtype, parameter layout) and the shapes (batch and
-cache buckets), not on the text. `generate(speculative_k="auto")` measures it the first time it
+step depends on the device, the model (config, dtype, parameter layout), the sampling mode and the
+shapes (batch, prompt and cache buckets), hardly on the text. `generate(speculative_k="auto")` measures it the first time it
 meets such a combination, by running its own compiled loop with k forced to each value (so nothing
 extra is compiled), and stores the figures in a JSON file keyed by all of the above and by the jax
 version. The file lives in $JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
@@ -28,12 +28,13 @@ def cache_dir() -> str:
     return os.environ.get("JAXMTP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxmtp")
 
 
-def key(config_json: dict, dtype, layout, batch: int, prompt_len: int, cache_len: int, k_max: int) -> str:
+def key(config_json: dict, dtype, layout, mode, batch: int, prompt_len: int, cache_len: int, k_max: int) -> str:
     """Everything the costs depend on, as one string (the model config by its digest)."""
     device = jax.devices()[0]
     digest = hashlib.sha256(json.dumps(config_json, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return (f"{device.platform}:{device.device_kind}:n{jax.device_count()}|jax {jax.__version__}|{digest}|"
-            f"{jax.numpy.dtype(dtype).name}|{layout}|batch {batch}|prompt {prompt_len}|cache {cache_len}|k<={k_max}")
+            f"{jax.numpy.dtype(dtype).name}|{layout}|{mode}|batch {batch}|prompt {prompt_len}|cache {cache_len}|"
+            f"k<={k_max}")
 
 
 def _read() -> dict:

@@ -349,7 +349,7 @@ class Prepared:
 
     def cost_key(self) -> str:
         s = self.static
-        return calibration.key(s.config.to_hf_config(), s.dtype, s.layout, self.args[1].shape[0],
+        return calibration.key(s.config.to_hf_config(), s.dtype, s.layout, s.mode, self.args[1].shape[0],
                                self.args[1].shape[1], s.cache_len, s.k)
 
 

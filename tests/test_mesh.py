@@ -147,3 +147,15 @@ def test_fp8_dequantized_on_a_mesh_cuts_through_scale_blocks(tmp_path):
     assert {s[2] for s in shard_shapes(experts)} == {ref.FP8_TP_CONFIG["moe_intermediate_size"] // 4}
     for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(sharded.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_plan_compiles_speculative_generation_for_an_emulated_mesh():
+    from jaxmtp.plan import plan
+
+    config = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json")
+    figures = plan(config, data=2, expert=2, tensor=2, batch=4, max_len=128, prompt_len=16, k=2)
+    layers = config.num_hidden_layers + config.num_nextn_predict_layers
+    assert figures["cache_bytes_per_device"] == layers * 2 * 128 * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+    counts = jaxmtp.model.parameter_counts(config)
+    total = 2 * (counts["main"] + counts["mtp_unique"])  # bf16
+    assert total / 8 <= figures["parameter_bytes_per_device"] <= total  # at least an even share of 8 devices
