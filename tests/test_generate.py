@@ -129,7 +129,7 @@ def test_generate_cli_with_a_tokenizer(tmp_path, capsys):
     assert expected in capsys.readouterr().out
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(kind=st.sampled_from(["partial", "always", "never"]),
        prompts=st.lists(st.lists(st.integers(0, gm.TINY.vocab_size - 1), min_size=1, max_size=12),
                         min_size=1, max_size=3))
