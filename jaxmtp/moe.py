@@ -126,9 +126,9 @@ class Experts(nn.Module):
 def split_experts(x, weights, experts, gate, up, down, inputs_first):
     """Routed experts on their own weights (split layout): each expert that some token chose runs
     over all N tokens (lax.cond skips the others), and each token keeps its own experts' outputs,
-    weighted. Few tokens (decode) run only their K experts each; many (prefill) run every expert
-    over every token, E / K times the routed FLOPs, which the few experts of a split layout keep
-    small. x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights -> [N, D]."""
+    weighted. With few tokens (decode) only the experts they chose run, each over all N rows; with
+    many (prefill) every expert runs over every token, E / K times the routed FLOPs, which the few
+    experts of a split layout keep small. x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights -> [N, D]."""
     combine = (jax.nn.one_hot(experts, len(gate), dtype=x.dtype) * weights[..., None].astype(x.dtype)).sum(axis=1)
     out = jnp.zeros_like(x)
     for e, (g, u, d) in enumerate(zip(gate, up, down)):
