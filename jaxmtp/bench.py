@@ -91,8 +91,9 @@ def _row(k, outputs, plain, totals, prefills, prompt_count, costs) -> dict:
         for j, n in s["rounds_by_k"].items():
             by_k[j] = by_k.get(j, 0) + n
     k_max = max(by_k) if by_k else 0
-    drafting = [sum(n for j, n in by_k.items() if j > i) for i in range(k_max)]
-    at = [sum(s["per_position_acceptance"][i] * sum(n for j, n in s["rounds_by_k"].items() if j > i)
+    drafting = [_drafting(by_k, i) for i in range(k_max)]
+    # accepted counts of draft i+1 back from each prompt's share of the rounds that drafted it
+    at = [sum(s["per_position_acceptance"][i] * _drafting(s["rounds_by_k"], i)
               for s in stats if i < len(s["per_position_acceptance"])) for i in range(k_max)]
     new = sum(len(t) for t in tokens)
     total, prefill = statistics.median(totals), statistics.median(prefills)
@@ -104,6 +105,11 @@ def _row(k, outputs, plain, totals, prefills, prompt_count, costs) -> dict:
             "rounds_by_k": dict(sorted(by_k.items())), "round_cost": cost,
             "ideal_speedup": mean_length / cost if cost else None,
             "main_forward_passes": rounds + len(outputs), "new_tokens": new}
+
+
+def _drafting(rounds_by_k: dict, i: int) -> int:
+    """Rounds that drafted i + 1 or more tokens."""
+    return sum(n for k, n in rounds_by_k.items() if k > i)
 
 
 def table(rows: list[dict]) -> str:

@@ -2,10 +2,10 @@
 
 The cost of a round at k (draft k tokens, verify k + 1 rows, repair) in units of a plain decoding
 step depends on the device, the model (config, dtype, parameter layout), the sampling mode and the
-shapes (batch, prompt and cache buckets), hardly on the text. `generate(speculative_k="auto")` measures it the first time it
-meets such a combination, by running its own compiled loop with k forced to each value (so nothing
-extra is compiled), and stores the figures in a JSON file keyed by all of the above and by the jax
-version. The file lives in $JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
+shapes (batch, prompt and cache buckets), hardly on the text. `generate(speculative_k="auto")`
+measures it the first time it meets such a combination, by running its own compiled loop with k
+forced to each value (so nothing extra is compiled), and stores the figures in a JSON file keyed by
+all of the above and by the jax version. The file lives in $JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
 """
 
 from __future__ import annotations

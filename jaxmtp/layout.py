@@ -26,7 +26,7 @@ import dataclasses
 import jax
 
 from jaxmtp.config import ModelConfig
-from jaxmtp.quant import QuantizedWeight
+from jaxmtp.quant import QuantizedWeight, is_quantized
 
 # Routed experts are split only for small expert counts: every expert has its own branch in every
 # MoE layer, and many tokens run every expert over all of them.
@@ -61,11 +61,6 @@ def _bytes(params) -> int:
     return sum(leaf.size * jax.numpy.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(params))
 
 
-def _has_quantized(params) -> bool:
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    return any(isinstance(leaf, QuantizedWeight) for leaf in leaves)
-
-
 def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
     """The layout to decode this model in: the checkpoint's (scanned) for models of more than
     MAX_UNROLLED_BYTES of parameters, otherwise unrolled. Models with weights kept in FP8 stay
@@ -74,7 +69,7 @@ def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
     no mesh axis runs them expert-parallel (that needs the stack)."""
     if _bytes(params) > MAX_UNROLLED_BYTES:
         return CHECKPOINT
-    if _has_quantized(params):
+    if is_quantized(params):
         return Layout(unrolled=True)
     parallel = mesh is not None and mesh.shape.get("expert", 1) * mesh.shape.get("tensor", 1) > 1
     split = config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel

@@ -93,7 +93,7 @@ class MLA(nn.Module):
 
     def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask):
         # The cache is the left operand of the score product: contracting its minor (channel) axis
-        # there is a plain GEMM, where as the right operand XLA would transpose the whole cache first.
+        # there is a plain GEMM, whereas as the right operand XLA would transpose the whole cache first.
         w_uk, w_uv = self.up_projections()
         q_latent = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk.astype(q_nope.dtype))
         scores = jnp.einsum("bsc,bthc->bhts", c_kv, q_latent) + jnp.einsum("bsr,bthr->bhts", k_pe, q_pe)

@@ -78,6 +78,12 @@ def runs_fp8(weight) -> bool:
     return isinstance(weight, QuantizedWeight) and weight.matmul == "fp8"
 
 
+def is_quantized(params) -> bool:
+    """Whether any weight of the parameter tree is kept in FP8 (a QuantizedWeight)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return any(isinstance(leaf, QuantizedWeight) for leaf in leaves)
+
+
 def with_matmul(params, matmul: str):
     """The parameter tree with every QuantizedWeight set to multiply by `matmul`."""
     if matmul not in MATMULS:

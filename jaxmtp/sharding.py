@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.layout import CHECKPOINT, Layout
 from jaxmtp.quant import QuantizedWeight
 
 AXES = ("data", "expert", "tensor")
@@ -47,13 +48,13 @@ def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) ->
     return PartitionSpec(*out)
 
 
-def param_shardings(config: ModelConfig, params, mesh: Mesh, layout=None):
+def param_shardings(config: ModelConfig, params, mesh: Mesh, layout: Layout = CHECKPOINT):
     """NamedSharding for every leaf of `params` (abstract or real, in `layout`, default the
     checkpoint's; QuantizedWeight leaves get one for the values and one for the block scales, cut
     along the same axes where they divide)."""
     from jaxmtp.model import logical_axes
 
-    axes = logical_axes(config) if layout is None else logical_axes(config, layout)
+    axes = logical_axes(config, layout)
 
     def one(logical, leaf):
         if isinstance(leaf, QuantizedWeight):

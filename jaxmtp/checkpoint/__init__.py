@@ -5,6 +5,7 @@ import os
 from jaxmtp.checkpoint.hf import load_hf
 from jaxmtp.checkpoint.save import ORBAX_META, load_orbax, save_hf, save_orbax
 from jaxmtp.errors import CheckpointError
+from jaxmtp.layout import CHECKPOINT
 from jaxmtp.quant import default_matmul
 
 
@@ -42,7 +43,7 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
 def save(model, path, format="hf", max_shard_bytes=4 << 30):
     """Writes `model` to directory `path` as format "hf" (safetensors files of at most
     `max_shard_bytes` each, plus their index) or "orbax"."""
-    if model.layout.unrolled:
+    if model.layout != CHECKPOINT:
         raise ValueError(f"save: the model's parameters are in the decode layout {model.layout}; save the model "
                          "they were converted from (checkpoints hold the checkpoint layout)")
     if format == "hf":

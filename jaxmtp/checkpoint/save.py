@@ -16,14 +16,9 @@ from jaxmtp.checkpoint.hf import INDEX_FILE, _leaf
 from jaxmtp.checkpoint.names import expected_tensors
 from jaxmtp.config import ModelConfig
 from jaxmtp.model import Model, abstract_params
-from jaxmtp.quant import QuantizedWeight
+from jaxmtp.quant import QuantizedWeight, is_quantized
 
 ORBAX_META = "jaxmtp_orbax.json"
-
-
-def is_quantized(params) -> bool:
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    return any(isinstance(leaf, QuantizedWeight) for leaf in leaves)
 
 
 def saved_config(model):
