@@ -7,10 +7,14 @@ from jaxmtp.config import ModelConfig
 from jaxmtp.errors import CheckpointError, ConfigError
 from jaxmtp.generation import GenerationOutput, generate
 from jaxmtp.model import Model, init
+from jaxmtp.sharding import make_mesh
 
 # The bundled demo checkpoint (HF layout + tokenizer.json): a small DeepSeek-V3 with its MTP layer,
 # trained on the Python standard library's source; see demo_model/README.md.
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+# The configs shipped with the package (tiny.json, demo.json, deepseek_v3_671b.json), found from any
+# working directory; the repository's configs/ links here.
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
-__all__ = ["DEMO_MODEL", "CheckpointError", "ConfigError", "GenerationOutput", "Model", "ModelConfig", "generate", "init", "load",
-           "save"]
+__all__ = ["CONFIGS", "DEMO_MODEL", "CheckpointError", "ConfigError", "GenerationOutput", "Model", "ModelConfig",
+           "generate", "init", "load", "make_mesh", "save"]

@@ -135,19 +135,23 @@ def plot(rows: list[dict], path: str | None = None):
         if path:
             matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("plotting needs matplotlib: pip install matplotlib") from None
+    except ImportError as e:
+        raise ImportError("plotting needs matplotlib: pip install matplotlib") from e
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for r in rows[1:]:
         positions = range(1, len(r["per_position_acceptance"]) + 1)
         left.plot(positions, r["per_position_acceptance"], marker="o", label=f"k={r['k']}")
-    left.set(xlabel="draft position", ylabel="acceptance", title="Acceptance by draft position", ylim=(0, 1))
-    left.xaxis.get_major_locator().set_params(integer=True)
-    left.legend()
+    max_k = max((len(r["per_position_acceptance"]) for r in rows), default=0)
+    left.set_xticks(range(1, max_k + 1))  # draft positions are whole numbers
+    left.set(xlabel="draft position", ylabel="acceptance", title="Acceptance by draft position", ylim=(0, 1.05))
+    # below the axes: inside, it would cover the lines wherever they run
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=max(len(rows) - 1, 1), frameon=False)
     labels = [str(r["k"]) for r in rows]
     colors = ["tab:orange" if r["k"] == "auto" else "tab:blue" for r in rows]
-    right.bar(labels, [r["decode_speedup"] for r in rows], color=colors)
+    bars = right.bar(labels, [r["decode_speedup"] for r in rows], color=colors)
+    right.bar_label(bars, fmt="%.2fx")  # a bar too short to see still shows its value
     right.axhline(1.0, color="gray", linewidth=0.8)
+    right.set_ylim(0, 1.15 * max(r["decode_speedup"] for r in rows))
     right.set(xlabel="k (0 = plain)", ylabel="decode tokens/s relative to plain", title="Speedup by k (auto in orange)")
     fig.tight_layout()
     if path:

@@ -3,22 +3,209 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dis
+import math
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxmtp
 from jaxmtp import DEMO_MODEL
+from jaxmtp.errors import CheckpointError, ConfigError
+from jaxmtp.generation import MAX_SPECULATIVE_K
+
+
+
+class UsageError(Exception):
+    """A bad command line found by the checks here; the message is the whole report."""
+
+
+# A path that is missing, of the wrong kind or not accessible.
+_FILE_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def _user_error(error: BaseException) -> str | None:
+    """The one-line report of `error` if it is the user's (bad input), None if it is a bug.
+
+    ConfigError and CheckpointError always describe input. An OSError about a named file is about a
+    path the user gave. A ValueError or TypeError is the user's only when a `raise` statement in
+    jaxmtp's own code raised it: jaxmtp raises those to refuse arguments, with a message written for
+    people. The same types from JAX or numpy, or from a jaxmtp line that did not mean to (a failed
+    unpacking, int() of a bad string), are bugs and keep their traceback.
+    """
+    if isinstance(error, (UsageError, ConfigError, CheckpointError)):
+        return str(error)
+    if isinstance(error, _FILE_ERRORS) and error.filename is not None:
+        return f"{error.filename}: {error.strerror}"
+    if isinstance(error, (ValueError, TypeError)) and _raised_by_jaxmtp(error):
+        return str(error)
+    return None
+
+
+def _raised_by_jaxmtp(error: BaseException) -> bool:
+    """Whether the innermost frame of `error`'s traceback is a `raise` statement in this package."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if not os.path.abspath(code.co_filename).startswith(os.path.dirname(jaxmtp.__file__) + os.sep):
+        return False
+    return any(i.offset == tb.tb_lasti and i.opname == "RAISE_VARARGS" for i in dis.get_instructions(code))
+
+
+@contextlib.contextmanager
+def _reading(flag: str, value: str):
+    """Prefixes a user error met while reading `value` with the option that named it."""
+    try:
+        yield
+    except (ConfigError, CheckpointError, *_FILE_ERRORS) as e:
+        report = _user_error(e)
+        if report is None:
+            raise
+        raise UsageError(f"{flag} {report}" if report.startswith(value) else f"{flag} {value}: {report}") from e
+
+
+_CONFIG_HELP = ("HF config.json (file or directory), or the name of a config shipped with jaxmtp: tiny, demo, "
+                "deepseek_v3_671b")
+
+
+def _config_path(path: str) -> str:
+    """`path` itself, or for the name of a config shipped in jaxmtp.CONFIGS (e.g. "deepseek_v3_671b")
+    that file, so that commands work from any directory."""
+    packaged = os.path.join(jaxmtp.CONFIGS, path.removesuffix(".json") + ".json")
+    return packaged if not os.path.exists(path) and os.sep not in path and os.path.exists(packaged) else path
+
+
+def _config(path: str, flag: str = "--config"):
+    from jaxmtp.config import ModelConfig
+
+    path = _config_path(path)
+    with _reading(flag, path):
+        return ModelConfig.from_hf_config(path)
+
+
+def _load(path: str, flag: str = "--model", **kwargs):
+    with _reading(flag, path):
+        return jaxmtp.load(path, **kwargs)
+
+
+# argparse `type=` functions: a bad value is reported as "argument --flag: <message>", exit 2.
+
+def _whole(text: str, minimum: int, maximum: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bounds = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise argparse.ArgumentTypeError(f"expected an integer {bounds}, found {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _whole(text, minimum=1)
+
+
+def _non_negative(text: str) -> int:
+    return _whole(text, minimum=0)
+
+
+def _draft_count(text: str) -> int:
+    return _whole(text, minimum=0, maximum=MAX_SPECULATIVE_K)
+
+
+def _real(text: str, minimum: float, maximum: float = math.inf, above_minimum: bool = False) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    low_ok = value > minimum if above_minimum else value >= minimum
+    if not (math.isfinite(value) and low_ok and value <= maximum):
+        low = f"> {minimum:g}" if above_minimum else f">= {minimum:g}"
+        bounds = low if maximum == math.inf else f"{low} and <= {maximum:g}"
+        raise argparse.ArgumentTypeError(f"expected a finite number {bounds}, found {text!r}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    return _real(text, 0.0)
+
+
+def _top_p(text: str) -> float:
+    return _real(text, 0.0, 1.0, above_minimum=True)
+
+
+def _learning_rate(text: str) -> float:
+    return _real(text, 0.0, above_minimum=True)
+
+
+def _k_value(text: str):
+    """--k: "auto" or a whole number of drafts."""
+    if text == "auto":
+        return text
+    try:
+        return _draft_count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f'expected "auto" or an integer 0..{MAX_SPECULATIVE_K}, found {text!r}') from None
+
+
+def _token_ids(text: str) -> list[int]:
+    """One prompt: "1,2,3"."""
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative integers, found {text!r}")
+    return ids
+
+
+def _prompt_ids(text: str) -> list[list[int]]:
+    """Prompts: "1,2,3;4,5"."""
+    try:
+        return [_token_ids(row) for row in text.split(";")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f'expected comma-separated non-negative integers, prompts separated '
+                                         f'by ";", found {text!r}') from None
+
+
+def _ks(text: str) -> list[int]:
+    """--ks: "1,2,3,4"."""
+    try:
+        return [_whole(k, 1, MAX_SPECULATIVE_K) for k in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers 1..{MAX_SPECULATIVE_K}, found {text!r}") from None
+
+
+_MESH_AXES = ("data", "expert", "tensor")
+
+
+def _mesh(text: str) -> dict[str, int]:
+    """--mesh: "expert=8,tensor=8" -> the size of each axis (1 where not named)."""
+    sizes = dict.fromkeys(_MESH_AXES, 1)
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"expected comma-separated axis=size pairs (axes {', '.join(_MESH_AXES)}; "
+                                             f"sizes positive integers), found {text!r}")
+        sizes[name] = int(value)
+    return sizes
 
 
 def _info(args):
     from jaxmtp.cache import bytes_per_token
-    from jaxmtp.config import ModelConfig
     from jaxmtp.layout import CHECKPOINT
     from jaxmtp.model import _forward, _mtp_forward, abstract_params, parameter_counts
 
-    config = ModelConfig.from_hf_config(args.config)
+    config = _config(args.config)
     counts = parameter_counts(config)
     print(f"parameters, main model:              {counts['main'] / 1e9:8.2f} B ({counts['main']:,})")
     print(f"parameters, unique to MTP:           {counts['mtp_unique'] / 1e9:8.2f} B ({counts['mtp_unique']:,})")
@@ -42,14 +229,8 @@ def _info(args):
 
 
 def _forward_demo(args):
-    import jaxmtp
-    from jaxmtp.config import ModelConfig
-
-    if args.model:
-        model = jaxmtp.load(args.model)
-    else:
-        model = jaxmtp.init(ModelConfig.from_hf_config(args.config), seed=args.seed)
-    tokens = np.array([[int(t) for t in args.tokens.split(",")]])
+    model = _load(args.model) if args.model else jaxmtp.init(_config(args.config), seed=args.seed)
+    tokens = np.array([args.tokens])
     logits, hidden = model.forward(tokens)
     print(f"tokens: {tokens[0].tolist()}")
     print(f"main model, next-token argmax per position: {np.asarray(logits.argmax(-1))[0].tolist()}")
@@ -60,18 +241,17 @@ def _forward_demo(args):
 
 
 def _prompts(args, tokenizer):
-    """Prompts as token-id lists: text through the model's tokenizer, or --tokens "1,2,3;4,5"."""
+    """Prompts as token-id lists: --tokens, else the text prompts through the model's tokenizer."""
     if args.tokens:
-        return [[int(t) for t in row.split(",")] for row in args.tokens.split(";")]
+        return args.tokens
     if tokenizer is None:
-        raise SystemExit("this model has no tokenizer.json: pass token ids with --tokens 1,2,3")
-    return [tokenizer.encode(text).ids for text in (args.prompt or ["def fibonacci(n):"])]
+        raise UsageError(f"--model {args.model}: no tokenizer.json to encode text prompts; pass token ids with "
+                         "--tokens 1,2,3")
+    return [tokenizer.encode(text).ids for text in args.prompt]
 
 
 def _tokenizer(model_dir):
     """The model directory's tokenizer.json as a `tokenizers.Tokenizer`, or None."""
-    import os
-
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.exists(path):
         return None
@@ -80,25 +260,45 @@ def _tokenizer(model_dir):
     return Tokenizer.from_file(path)
 
 
+def _check_plot_target(path: str):
+    """Refuses a --plot that could not be written, before a benchmark of minutes runs: matplotlib
+    missing, a missing or read-only directory, a file type matplotlib cannot write."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"--plot {path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"--plot {path}: directory {directory} is not writable")
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if suffix and suffix not in kinds:
+        raise UsageError(f"--plot {path}: expected a file type matplotlib writes ({', '.join(sorted(kinds))}), "
+                         f"found .{suffix}")
+
+
 def _bench(args):
     import json
 
-    import jaxmtp
     from jaxmtp import bench, data
 
-    model = jaxmtp.load(args.model, quiet=True)
+    if args.plot:
+        _check_plot_target(args.plot)
+    model = _load(args.model, quiet=True)
     if args.tokens:
-        prompts = _prompts(args, None)
+        prompts = args.tokens
         source = "--tokens"
     else:
         tokenizer = _tokenizer(args.model)
         if tokenizer is None:
-            raise SystemExit("this model has no tokenizer.json: pass prompts with --tokens")
+            raise UsageError(f"--model {args.model}: no tokenizer.json to encode the held-out prompts; pass "
+                             "prompts with --tokens")
         held_out = data.encode(tokenizer, data.read(data.source_files()[1]))
         prompts = data.prompts_from(held_out, args.prompts, args.prompt_len)
         source = f"{args.prompts} held-out standard-library prompts of {args.prompt_len} tokens"
-    ks = [int(k) for k in args.ks.split(",")]
-    rows = bench.run(model, prompts, ks, args.max_new_tokens, args.repeats, auto=not args.no_auto)
+    rows = bench.run(model, prompts, args.ks, args.max_new_tokens, args.repeats, auto=not args.no_auto)
     if args.json:
         print(json.dumps({"model": args.model, "prompts": source, "max_new_tokens": args.max_new_tokens,
                           "repeats": args.repeats, "platform": jax.devices()[0].platform, "rows": rows}, indent=2))
@@ -112,11 +312,10 @@ def _bench(args):
 
 
 def _generate(args):
-    import jaxmtp
     from jaxmtp.generation import timed_generate
 
     kept = {} if args.matmul is None else {"quantized": "keep", "matmul": args.matmul}
-    model = jaxmtp.load(args.model, quiet=args.quiet, **kept)
+    model = _load(args.model, quiet=args.quiet, **kept)
     tokenizer = _tokenizer(args.model)
     prompts = _prompts(args, tokenizer)
     eos = None if args.ignore_eos else model.config.eos_token_id
@@ -143,193 +342,212 @@ def _generate(args):
           f"accepted {s['accepted_tokens']}")
 
 
-def _k_value(text: str):
-    """--k: "auto" or a whole number."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected "auto" or a whole number, found {text!r}') from None
-
-
 def _plan(args):
-    import os
-
-    sizes = {"data": 1, "expert": 1, "tensor": 1}
-    for part in args.mesh.split(","):
-        name, value = part.split("=")
-        if name not in sizes:
-            raise SystemExit(f"--mesh: unknown axis {name!r}; use data, expert, tensor")
-        sizes[name] = int(value)
+    sizes = args.mesh
     count = sizes["data"] * sizes["expert"] * sizes["tensor"]
     # Emulate the mesh with host devices; XLA reads this when the backend starts, which is below.
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
     if jax.device_count() < count:
-        raise SystemExit(f"--mesh needs {count} devices; this process has {jax.device_count()}")
-    from jaxmtp.config import ModelConfig
+        shape = ",".join(f"{axis}={size}" for axis, size in sizes.items())
+        raise UsageError(f"--mesh {shape}: needs {count} devices; this process has {jax.device_count()}")
     from jaxmtp.plan import plan, report
 
-    figures = plan(ModelConfig.from_hf_config(args.config), **sizes, batch=args.batch, max_len=args.max_len,
+    figures = plan(_config(args.config), **sizes, batch=args.batch, max_len=args.max_len,
                    prompt_len=args.prompt_len or args.max_len // 2, k=args.k, matmul=args.matmul)
     print(report(figures))
+
+
+def _train_inputs(args):
+    """(model, tokenizer) of --init for --mtp-only, else the --config to build them from (after the
+    checks, as building the tokenizer takes a while); read before anything is written, so that a bad
+    argument leaves nothing behind."""
+    if not args.mtp_only:
+        if args.init:
+            raise UsageError("--init applies with --mtp-only only; full training starts from a random init of "
+                             "--config")
+        return None, None, _config(args.config)
+    if not args.init:
+        raise UsageError("--mtp-only needs --init PATH (the checkpoint whose MTP layer to fine-tune)")
+    tokenizer = _tokenizer(args.init)
+    if tokenizer is None:
+        raise UsageError(f"--init {args.init}: no tokenizer.json; the training data is encoded with the "
+                         "checkpoint's own tokenizer")
+    return _load(args.init, flag="--init", dtype="float32", quiet=args.quiet), tokenizer, None
 
 
 def _train(args):
     import dataclasses
     import json
-    import os
     import shutil
     import sys
+    import tempfile
 
-    import jaxmtp
     from jaxmtp import data
-    from jaxmtp.config import ModelConfig
+    from jaxmtp.checkpoint.save import check_destination
     from jaxmtp.train import TrainConfig, evaluate, train
 
-    try:
-        cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, learning_rate=args.lr,
-                          seed=args.seed, mtp_only=args.mtp_only, mtp_depth=args.mtp_depth)
-    except ValueError as e:
-        raise SystemExit(f"jaxmtp train: {e}") from None
-    os.makedirs(args.out, exist_ok=True)
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, learning_rate=args.lr,
+                      seed=args.seed, mtp_only=args.mtp_only, mtp_depth=args.mtp_depth)
+    model, tokenizer, config = _train_inputs(args)
+    with _reading("--out", args.out):
+        check_destination(args.out, args.overwrite)  # now, not after the training
     train_texts, held_texts = (data.read(files) for files in data.source_files())
-    if args.mtp_only:
-        if not args.init:
-            raise SystemExit("--mtp-only needs --init PATH (the checkpoint whose MTP layer to fine-tune)")
-        from tokenizers import Tokenizer
-
-        model = jaxmtp.load(args.init, dtype="float32", quiet=args.quiet)
-        tokenizer = Tokenizer.from_file(os.path.join(args.init, "tokenizer.json"))
-    else:
-        config = ModelConfig.from_hf_config(args.config)
+    if config is not None:
         tokenizer = data.train_tokenizer(train_texts, config.vocab_size)
         model = jaxmtp.init(config, seed=args.seed)
     train_tokens, held_tokens = data.encode(tokenizer, train_texts), data.encode(tokenizer, held_texts)
     print(f"data: {len(train_texts)} training files, {len(train_tokens):,} tokens; held out "
           f"{', '.join(data.HELD_OUT_MODULES)}: {len(held_tokens):,} tokens")
-    before = evaluate(model, held_tokens, args.seq_len) if args.mtp_only else None
-    model, log = train(model, train_tokens, cfg, os.path.join(args.out, "train_log.jsonl"), quiet=args.quiet)
-    after = evaluate(model, held_tokens, args.seq_len)
-    jaxmtp.save(model, args.out, format="hf")
-    tokenizer.save(os.path.join(args.out, "tokenizer.json"))
-    record = {"command": "jaxmtp " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("jaxmtp") else None,
-              "train_config": dataclasses.asdict(cfg), "data": {
-                  "source": "Python standard library *.py (tests excluded)", "python": sys.version.split()[0],
-                  "training_files": len(train_texts), "training_tokens": int(len(train_tokens)),
-                  "held_out_modules": list(data.HELD_OUT_MODULES), "held_out_tokens": int(len(held_tokens))},
-              "final_losses": log[-1], "held_out": after, "held_out_before": before}
-    if args.init:
-        record["init"] = args.init
-    with open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump(record, f, indent=2, default=float)
+    # Everything beside the weights is staged here and goes into --out with them in one step
+    # (jaxmtp.save), so --out never holds a half-written result.
+    with tempfile.TemporaryDirectory(prefix="jaxmtp-train-") as staging:
+        log_path = os.path.join(staging, "train_log.jsonl")
+        before = evaluate(model, held_tokens, args.seq_len) if args.mtp_only else None
+        model, log = train(model, train_tokens, cfg, log_path, quiet=args.quiet)
+        after = evaluate(model, held_tokens, args.seq_len)
+        tokenizer.save(os.path.join(staging, "tokenizer.json"))
+        record = {"command": "jaxmtp " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("jaxmtp") else None,
+                  "train_config": dataclasses.asdict(cfg), "data": {
+                      "source": "Python standard library *.py (tests excluded)", "python": sys.version.split()[0],
+                      "training_files": len(train_texts), "training_tokens": int(len(train_tokens)),
+                      "held_out_modules": list(data.HELD_OUT_MODULES), "held_out_tokens": int(len(held_tokens))},
+                  "final_losses": log[-1], "held_out": after, "held_out_before": before}
+        if args.init:
+            record["init"] = args.init
+        with open(os.path.join(staging, "training.json"), "w") as f:
+            json.dump(record, f, indent=2, default=float)
+        if not args.mtp_only:
+            shutil.copy(_config_path(args.config), os.path.join(staging, "source_config.json"))
+        jaxmtp.save(model, args.out, format="hf", overwrite=args.overwrite,
+                    extra_files=[os.path.join(staging, name) for name in sorted(os.listdir(staging))])
     for name, figures in (("before", before), ("after", after)):
         if figures:
             print(f"held out ({name}): main loss {figures['main_loss']:.3f} (perplexity {figures['main_perplexity']:.1f}, "
                   f"top-1 {figures['main_top1']:.3f}), MTP loss {figures['mtp_loss']:.3f} (top-1 {figures['mtp_top1']:.3f}); "
                   f"unigram baseline loss {figures['unigram_loss']:.3f} (perplexity {figures['unigram_perplexity']:.1f})")
-    if not args.mtp_only:
-        shutil.copy(args.config, os.path.join(args.out, "source_config.json"))
 
 
 def _convert(args):
-    import jaxmtp
+    from jaxmtp.checkpoint import convert
 
-    start = time.perf_counter()
-    model = jaxmtp.load(args.src, dtype=args.dtype, quantized=args.quantized)
-    loaded = time.perf_counter()
-    jaxmtp.save(model, args.dst, format=args.format)
-    print(f"{args.src} -> {args.dst} ({args.format}, {model.dtype}): "
-          f"load {loaded - start:.1f} s, save {time.perf_counter() - loaded:.1f} s")
+    figures = convert(args.src, args.dst, args.format, dtype=args.dtype, quantized=args.quantized,
+                      overwrite=args.overwrite)
+    print(f"{args.src} -> {args.dst} ({args.format}, {figures['dtype']}): "
+          f"load {figures['load_s']:.1f} s, save {figures['save_s']:.1f} s")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="jaxmtp", description=__doc__)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except None: those options' help says what leaving them out does."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxmtp", description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error in the input too, not only of a bug")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="parameter counts and cache size of a config; optionally lower it")
-    info.add_argument("--config", required=True, help="HF config.json (file or directory)")
+    def command(name, run, help):
+        p = sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+        p.set_defaults(run=run)
+        return p
+
+    info = command("info", _info, "parameter counts and cache size of a config; optionally lower it")
+    info.add_argument("--config", required=True, help=_CONFIG_HELP)
     info.add_argument("--lower", action="store_true", help="time jax.jit(forward).lower on abstract parameters")
-    info.add_argument("--batch", type=int, default=1)
-    info.add_argument("--length", type=int, default=128)
-    info.set_defaults(run=_info)
+    info.add_argument("--batch", type=_positive, default=1, help="batch size for --lower")
+    info.add_argument("--length", type=_positive, default=128, help="sequence length for --lower")
 
-    fwd = sub.add_parser("forward", help="one forward pass (main + MTP) and the predicted tokens")
-    fwd.add_argument("--model", help="checkpoint directory; default: random init of --config")
-    fwd.add_argument("--config", default="configs/tiny.json")
-    fwd.add_argument("--tokens", default="1,2,3,4,5,6,7,8")
-    fwd.add_argument("--seed", type=int, default=0)
-    fwd.set_defaults(run=_forward_demo)
+    fwd = command("forward", _forward_demo, "one forward pass (main + MTP) and the predicted tokens")
+    fwd.add_argument("--model", help="checkpoint directory; without it, a random init of --config")
+    fwd.add_argument("--config", default="tiny", help="the random model's config (without --model): " + _CONFIG_HELP)
+    fwd.add_argument("--tokens", type=_token_ids, default="1,2,3,4,5,6,7,8", help="token ids, comma-separated")
+    fwd.add_argument("--seed", type=int, default=0, help="seed of the random init")
 
-    gen = sub.add_parser("generate", help="generate text with plain or MTP speculative decoding")
-    gen.add_argument("prompt", nargs="*", help='prompt text (needs the model\'s tokenizer.json); default "def fibonacci(n):"')
-    gen.add_argument("--model", default=DEMO_MODEL, help="checkpoint directory (default: the bundled demo model)")
-    gen.add_argument("--tokens", help='token ids instead of text: "1,2,3", several prompts separated by ";"')
+    gen = command("generate", _generate, "generate text with plain or MTP speculative decoding")
+    gen.add_argument("prompt", nargs="*", default=["def fibonacci(n):"],
+                     help="prompt texts, one generation each (needs the model's tokenizer.json)")
+    gen.add_argument("--model", default=DEMO_MODEL, help="checkpoint directory; the default is the bundled demo model")
+    gen.add_argument("--tokens", type=_prompt_ids,
+                     help='token ids instead of text: "1,2,3", several prompts separated by ";"')
     gen.add_argument("--k", type=_k_value, default="auto",
-                     help='MTP drafts per round; 0 = plain decoding; "auto" (default): chosen as it goes, from '
-                          "the measured cost of a round at each k on this machine and the acceptance so far")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+                     help=f'MTP drafts per round, 0..{MAX_SPECULATIVE_K}; 0 = plain decoding; "auto": chosen as it '
+                          "goes, from the measured cost of a round at each k on this machine and the acceptance so far")
+    gen.add_argument("--max-new-tokens", type=_positive, default=64, help="new tokens per prompt, at most")
+    gen.add_argument("--temperature", type=_temperature, default=0.0, help="sampling temperature; 0 = greedy")
+    gen.add_argument("--top-k", type=_non_negative, default=0, help="sample from the k likeliest tokens; 0 = all")
+    gen.add_argument("--top-p", type=_top_p, default=1.0,
+                     help="sample from the smallest set of tokens with this much probability; 1 = all")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos_token_id")
     gen.add_argument("--matmul", choices=("fp8", "dequant"),
                      help="FP8 checkpoints: keep the weights in FP8 and multiply them with the W8A8 kernels (fp8) "
-                          "or dequantize them on the fly (dequant); default: dequantize at load")
+                          "or dequantize them on the fly (dequant); without it, dequantize at load")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
-    gen.set_defaults(run=_generate)
 
-    b = sub.add_parser("bench", help="plain vs speculative decoding side by side: tokens/s, speedup, acceptance")
-    b.add_argument("--model", default=DEMO_MODEL, help="checkpoint directory (default: the bundled demo model)")
-    b.add_argument("--tokens", help='prompts as token ids instead of held-out text: "1,2,3;4,5"')
-    b.add_argument("--prompts", type=int, default=8, help="number of held-out prompts")
-    b.add_argument("--prompt-len", type=int, default=32)
-    b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--ks", default="1,2,3,4")
+    b = command("bench", _bench, "plain vs speculative decoding side by side: tokens/s, speedup, acceptance")
+    b.add_argument("--model", default=DEMO_MODEL, help="checkpoint directory; the default is the bundled demo model")
+    b.add_argument("--tokens", type=_prompt_ids,
+                   help='prompts as token ids instead of held-out text: "1,2,3;4,5"')
+    b.add_argument("--prompts", type=_positive, default=8, help="number of held-out prompts")
+    b.add_argument("--prompt-len", type=_positive, default=32, help="tokens per held-out prompt")
+    b.add_argument("--max-new-tokens", type=_positive, default=64, help="new tokens per prompt")
+    b.add_argument("--ks", type=_ks, default="1,2,3,4", help="fixed draft counts to run beside plain decoding")
     b.add_argument("--no-auto", action="store_true", help='leave out speculative_k="auto"')
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--repeats", type=_positive, default=3, help="timed runs of each configuration (median taken)")
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    b.add_argument("--plot", help="write acceptance-by-position and speedup-by-k plots to this PNG")
-    b.set_defaults(run=_bench)
+    b.add_argument("--plot", help="write acceptance-by-position and speedup-by-k plots to this image file")
 
-    pl = sub.add_parser("plan", help="per-device memory of speculative generation on a mesh (AOT compile, abstract shapes)")
-    pl.add_argument("--config", required=True, help="HF config.json (file or directory)")
-    pl.add_argument("--mesh", default="tensor=8", help="e.g. expert=8,tensor=8 (axes data, expert, tensor)")
-    pl.add_argument("--batch", type=int, default=8)
-    pl.add_argument("--max-len", type=int, default=4096, help="cache length in tokens")
-    pl.add_argument("--prompt-len", type=int, help="prompt bucket (default max-len / 2)")
-    pl.add_argument("--k", type=int, default=2)
+    pl = command("plan", _plan, "per-device memory of speculative generation on a mesh (AOT compile, abstract shapes)")
+    pl.add_argument("--config", required=True, help=_CONFIG_HELP)
+    pl.add_argument("--mesh", type=_mesh, default="tensor=8",
+                    help="axis sizes, e.g. expert=8,tensor=8 (axes data, expert, tensor; 1 where not named)")
+    pl.add_argument("--batch", type=_positive, default=8, help="rows generated at once")
+    pl.add_argument("--max-len", type=_positive, default=4096, help="cache length in tokens")
+    pl.add_argument("--prompt-len", type=_positive, help="prompt bucket in tokens; without it, half of --max-len")
+    pl.add_argument("--k", type=_draft_count, default=2, help="MTP drafts per round")
     pl.add_argument("--matmul", choices=("dequant", "fp8"), default="dequant",
                     help="how kept FP8 weights are multiplied (fp8: the W8A8 kernels, here lowered in interpret mode)")
-    pl.set_defaults(run=_plan)
 
-    tr = sub.add_parser("train", help="train a small DeepSeek-V3 + MTP on the standard library's source")
+    tr = command("train", _train, "train a small DeepSeek-V3 + MTP on the standard library's source")
     tr.add_argument("--out", required=True, help="output checkpoint directory (HF layout + tokenizer.json)")
-    tr.add_argument("--config", default="configs/demo.json", help="model config (HF config.json)")
-    tr.add_argument("--steps", type=int, default=1200)
-    tr.add_argument("--batch", type=int, default=16)
-    tr.add_argument("--seq-len", type=int, default=256)
-    tr.add_argument("--lr", type=float, default=3e-3)
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--config", default="demo", help=_CONFIG_HELP)
+    tr.add_argument("--steps", type=_positive, default=1200, help="optimizer steps")
+    tr.add_argument("--batch", type=_positive, default=16, help="sequences per step")
+    tr.add_argument("--seq-len", type=_positive, default=256, help="tokens per sequence")
+    tr.add_argument("--lr", type=_learning_rate, default=3e-3, help="peak learning rate")
+    tr.add_argument("--seed", type=int, default=0, help="seed of the init and of the batch order")
     tr.add_argument("--mtp-only", action="store_true", help="fine-tune only the MTP layer of --init")
     tr.add_argument("--init", help="checkpoint to start from (with --mtp-only)")
-    tr.add_argument("--mtp-depth", type=int, default=1,
+    tr.add_argument("--mtp-depth", type=_positive, default=1,
                     help="with --mtp-only: train this many chained drafting steps (draft j reads draft j-1's hidden state)")
-    tr.add_argument("--quiet", action="store_true")
-    tr.set_defaults(run=_train)
+    tr.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    conv = sub.add_parser("convert", help="rewrite a checkpoint (HF, DeepSeek mp-sharded or orbax) as HF or orbax")
+    conv = command("convert", _convert, "rewrite a checkpoint (HF, DeepSeek mp-sharded or orbax) as HF or orbax")
     conv.add_argument("src", help="checkpoint directory")
     conv.add_argument("dst", help="output directory")
-    conv.add_argument("--format", choices=("hf", "orbax"), required=True)
-    conv.add_argument("--dtype", help="dense parameter dtype (default: the source's)")
+    conv.add_argument("--format", choices=("hf", "orbax"), required=True, help="output format")
+    conv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                      help="dense parameter dtype; without it, the source's")
     conv.add_argument("--quantized", choices=("keep", "dequantize"), default="keep",
                       help="FP8 weights: keep them FP8 with their scales, or write dense --dtype weights")
-    conv.set_defaults(run=_convert)
+    conv.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    return parser
 
+
+def main(argv=None):
+    parser = _parser()
     args = parser.parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except Exception as e:
+        report = None if args.debug else _user_error(e)
+        if report is None:
+            raise
+        parser.exit(2, f"jaxmtp {args.command}: error: {report}\n")
 
 
 if __name__ == "__main__":

@@ -131,12 +131,17 @@ class ModelConfig:
     def from_hf_config(cls, source: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
         """Reads an HF `config.json` (a path to the file or its directory, or the parsed dict)."""
         raw = _read_json(source) if not isinstance(source, Mapping) else dict(source)
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"config.json: expected a JSON object of fields, found a JSON {type(raw).__name__}")
         if raw.get("model_type") != "deepseek_v3":
             raise ConfigError(f"model_type: expected 'deepseek_v3', found {raw.get('model_type')!r}")
         _check_supported(raw)
         kwargs = {name: _get(raw, name) for name in _REQUIRED}
-        num_moe = _get(raw, "num_hidden_layers") - raw.get("first_k_dense_replace", 3)
-        moe_needed = num_moe > 0 or raw.get("num_nextn_predict_layers", 1) > 0
+        # The MoE sizes are required only if some layer is MoE, which these three decide.
+        layers = _check_int("num_hidden_layers", _get(raw, "num_hidden_layers"), minimum=1)
+        dense = _check_int("first_k_dense_replace", raw.get("first_k_dense_replace", 3), minimum=0)
+        mtp = _check_int("num_nextn_predict_layers", raw.get("num_nextn_predict_layers", 1), minimum=0)
+        moe_needed = layers > dense or mtp > 0
         for name in _REQUIRED_MOE:
             kwargs[name] = _get(raw, name) if moe_needed else raw.get(name, 0)
         for name in ("n_shared_experts", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob",
@@ -211,10 +216,11 @@ def _check_supported(raw: Mapping):
 
 def _rope_from_hf(raw: Mapping) -> tuple[float, RopeScaling | None]:
     """Accepts both `rope_parameters` (transformers 5) and legacy `rope_scaling` + `rope_theta`."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    field = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    params = raw.get(field) or {}
     if not isinstance(params, Mapping):
-        raise ConfigError(f"rope_parameters: expected a dict, found {type(params).__name__}")
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        raise ConfigError(f"{field}: expected a dict, found {type(params).__name__}")
+    theta = _float("rope_theta", params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -222,14 +228,15 @@ def _rope_from_hf(raw: Mapping) -> tuple[float, RopeScaling | None]:
         raise ConfigError(f"rope_parameters.rope_type: only 'default' and 'yarn' are supported, found {kind!r}")
     if "original_max_position_embeddings" not in params:
         raise ConfigError("rope_parameters.original_max_position_embeddings: required for yarn")
-    original = int(params["original_max_position_embeddings"])
+    original = params["original_max_position_embeddings"]
     factor = params.get("factor")
     if factor is None:  # HF derives it from the context extension
         factor = raw.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]) / original
-    optional = lambda k: None if params.get(k) is None else float(params[k])  # noqa: E731
+    optional = lambda k: None if params.get(k) is None else _float(f"rope_parameters.{k}", params[k])  # noqa: E731
     scaling = RopeScaling(
-        factor=float(factor), original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        factor=_float("rope_parameters.factor", factor), original_max_position_embeddings=original,
+        beta_fast=_float("rope_parameters.beta_fast", params.get("beta_fast") or 32),
+        beta_slow=_float("rope_parameters.beta_slow", params.get("beta_slow") or 1),
         mscale=optional("mscale"), mscale_all_dim=optional("mscale_all_dim"),
         attention_factor=optional("attention_factor"), truncate=bool(params.get("truncate", True)))
     return theta, scaling
@@ -238,14 +245,17 @@ def _rope_from_hf(raw: Mapping) -> tuple[float, RopeScaling | None]:
 def _quantization_from_hf(q) -> QuantizationConfig | None:
     if q is None:
         return None
+    if not isinstance(q, Mapping):
+        raise ConfigError(f"quantization_config: expected a dict, found {type(q).__name__}")
     if q.get("quant_method") != "fp8":
         raise ConfigError(f"quantization_config.quant_method: only 'fp8' is supported, found {q.get('quant_method')!r}")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ConfigError(f"quantization_config.fmt: only 'e4m3' is supported, found {q.get('fmt')!r}")
-    block = tuple(q.get("weight_block_size", (128, 128)))
-    if len(block) != 2 or min(block) <= 0:
+    block = q.get("weight_block_size", (128, 128))
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
         raise ConfigError(f"quantization_config.weight_block_size: expected two positive ints, found {list(block)}")
-    return QuantizationConfig(weight_block_size=block, activation_scheme=q.get("activation_scheme", "dynamic"))
+    return QuantizationConfig(weight_block_size=tuple(block), activation_scheme=q.get("activation_scheme", "dynamic"))
 
 
 # ----- validation --------------------------------------------------------------------------
@@ -270,6 +280,12 @@ def _validate(c: ModelConfig):
     if c.num_nextn_predict_layers > 1:
         raise ConfigError(f"num_nextn_predict_layers: at most 1 MTP module is supported, found "
                           f"{c.num_nextn_predict_layers}")
+    for name in ("rms_norm_eps", "routed_scaling_factor", "rope_theta", "initializer_range"):
+        _float(name, getattr(c, name))
+    for name in ("norm_topk_prob", "tie_word_embeddings", "rope_interleave"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"{name}: expected true or false, found {getattr(c, name)!r}")
+    _check_ids(c)
     if not c.rms_norm_eps > 0:
         raise ConfigError(f"rms_norm_eps: must be positive, found {c.rms_norm_eps}")
     if needs_moe:
@@ -299,8 +315,25 @@ def _validate_rope(r: RopeScaling):
     _check_int("rope_parameters.original_max_position_embeddings", r.original_max_position_embeddings, minimum=1)
 
 
-def _check_int(name: str, value, minimum: int):
+def _check_ids(c: ModelConfig):
+    """bos_token_id: an id or null; eos_token_id: an id, a list of ids or null; each in the vocabulary."""
+    eos = c.eos_token_id if isinstance(c.eos_token_id, tuple) else (c.eos_token_id,)
+    for name, ids in (("bos_token_id", (c.bos_token_id,)), ("eos_token_id", eos)):
+        for value in ids:
+            if value is not None and not 0 <= _check_int(name, value, minimum=0) < c.vocab_size:
+                raise ConfigError(f"{name}: {value} is outside the vocabulary [0, {c.vocab_size})")
+
+
+def _check_int(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: expected an integer, found {value!r}")
     if value < minimum:
         raise ConfigError(f"{name}: must be >= {minimum}, found {value}")
+    return value
+
+
+def _float(name: str, value) -> float:
+    """A JSON number as a float (ints are numbers too; strings and booleans are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}: expected a number, found {value!r}")
+    return float(value)

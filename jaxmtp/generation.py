@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Sequence
 from functools import partial
 
 import flax.struct
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp import calibration
+from jaxmtp import calibration, checks
 from jaxmtp.adaptive import AcceptanceCounts, best_k
 from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
@@ -153,9 +154,9 @@ def _row_gather(x, index):
 
 def _finish(new_tokens, produced, count, limits, eos):
     """How many of a row's `produced` new tokens [B, T] to keep, and whether the row is now done:
-    cut at max_new_tokens and just after an EOS."""
+    cut at max_new_tokens and just after the first of the EOS ids eos [E]."""
     slot = jnp.arange(new_tokens.shape[1])
-    is_eos = (new_tokens == eos) & (slot < produced[:, None])
+    is_eos = (new_tokens[..., None] == eos).any(-1) & (slot < produced[:, None])
     first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, produced)
     kept = jnp.minimum(jnp.minimum(produced, first_eos), limits - count)
     return kept, is_eos.any(axis=1) | (count + kept >= limits)
@@ -289,27 +290,29 @@ def bucket(n: int, smallest: int) -> int:
     return max(smallest, 1 << (n - 1).bit_length())
 
 
-def _check_arguments(model: Model, prompts, max_new_tokens, temperature, top_k, top_p, speculative_k):
+def _check_arguments(model: Model, prompts, max_new_tokens, temperature, top_k, top_p, speculative_k,
+                     eos_token_id, seed) -> tuple[list[list[int]], tuple[int, ...]]:
+    """Refuses bad arguments with a message naming them; returns the prompts as lists of ints and
+    the EOS ids as a tuple."""
     c = model.config
-    if not prompts or not all(len(p) for p in prompts):
-        raise ValueError("prompts: expected a non-empty list of non-empty token-id lists")
+    prompts = checks.prompts(prompts, c.vocab_size)
     for i, p in enumerate(prompts):
-        bad = [t for t in p if not 0 <= int(t) < c.vocab_size]
-        if bad:
-            raise ValueError(f"prompts[{i}]: token id {bad[0]} outside the vocabulary [0, {c.vocab_size})")
         if len(p) >= c.max_position_embeddings:
             raise ValueError(f"prompts[{i}]: {len(p)} tokens leave no room for a new one within "
                              f"max_position_embeddings = {c.max_position_embeddings}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected >= 1, found {max_new_tokens}")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"sampling: expected temperature >= 0, top_k >= 0, 0 < top_p <= 1; found "
-                         f"temperature={temperature}, top_k={top_k}, top_p={top_p}")
-    if speculative_k != "auto" and (isinstance(speculative_k, bool) or not isinstance(speculative_k, int)
-                                    or not 0 <= speculative_k <= MAX_SPECULATIVE_K):
-        raise ValueError(f'speculative_k: expected "auto" or an integer 0..{MAX_SPECULATIVE_K}, found {speculative_k!r}')
+    checks.whole("max_new_tokens", max_new_tokens, minimum=1)
+    checks.real("temperature", temperature, minimum=0)
+    checks.whole("top_k", top_k, minimum=0)
+    checks.real("top_p", top_p, minimum=0, maximum=1, above_minimum=True)
+    checks.whole("seed", seed)
+    if speculative_k != "auto":
+        if isinstance(speculative_k, str):
+            raise ValueError(f'speculative_k: expected "auto" or an integer 0..{MAX_SPECULATIVE_K}, '
+                             f"found {speculative_k!r}")
+        checks.whole("speculative_k", speculative_k, minimum=0, maximum=MAX_SPECULATIVE_K)
     if speculative_k not in (0, "auto") and not c.has_mtp:
         raise ValueError("speculative_k > 0 needs an MTP module; this model has num_nextn_predict_layers = 0")
+    return prompts, checks.eos_ids(eos_token_id, c.vocab_size)
 
 
 @dataclasses.dataclass
@@ -344,8 +347,8 @@ class Prepared:
 
     def forced(self, k: int, new_tokens: int) -> tuple:
         """args for a calibration run: every round at k, at most new_tokens per row, no EOS."""
-        params, prompt, lengths, limits, _, sampling, key, real, costs, _ = self.limited(new_tokens)
-        return params, prompt, lengths, limits, jnp.int32(-1), sampling, key, real, costs, jnp.int32(k)
+        params, prompt, lengths, limits, eos, sampling, key, real, costs, _ = self.limited(new_tokens)
+        return params, prompt, lengths, limits, jnp.full_like(eos, -1), sampling, key, real, costs, jnp.int32(k)
 
     def cost_key(self) -> str:
         s = self.static
@@ -354,13 +357,16 @@ class Prepared:
 
 
 def prepare(model: Model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-            top_p: float = 1.0, speculative_k: int = 0, eos_token_id: int | None = None, seed: int = 0) -> Prepared:
+            top_p: float = 1.0, speculative_k: int | str = 0, eos_token_id: int | Sequence[int] | None = None,
+            seed: int = 0) -> Prepared:
     """Checks the arguments and pads the batch to its buckets (see `generate`)."""
-    _check_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p, speculative_k)
+    prompts, eos_ids = _check_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p, speculative_k,
+                                        eos_token_id, seed)
     model = model.decoding()
     auto = speculative_k == "auto"
     c, n = model.config, len(prompts)
-    k = (AUTO_MAX_K if c.has_mtp else 0) if auto else speculative_k
+    k = (AUTO_MAX_K if c.has_mtp else 0) if auto else int(speculative_k)
+    top_k = 0 if top_k >= c.vocab_size else int(top_k)  # keeping the whole vocabulary is no filter
     lengths = np.array([len(p) for p in prompts], np.int32)
     batch, width = bucket(n, 1), bucket(int(lengths.max()), 16)
     limits = np.minimum(max_new_tokens, c.max_position_embeddings - lengths)
@@ -375,7 +381,9 @@ def prepare(model: Model, prompts, max_new_tokens: int = 64, temperature: float 
     static = Static(c, model.dtype, k, SamplingMode.of(temperature, top_k, top_p), cache_len, model.layout,
                     auto and k > 0)
     sampling = SamplingParams(jnp.float32(max(temperature, 1e-6)), jnp.int32(max(top_k, 1)), jnp.float32(top_p))
-    eos = jnp.int32(-1 if eos_token_id is None else eos_token_id)
+    # EOS ids padded with -1 (matches no token) to a bucket, so the id count rarely recompiles.
+    eos = np.full(bucket(max(len(eos_ids), 1), 4), -1, np.int32)
+    eos[:len(eos_ids)] = eos_ids
     rows = (prompt, lengths, limits, real)
     if model.mesh is not None:  # rows over the mesh's data axis
         from jaxmtp.sharding import batch_sharding, place, replicated
@@ -404,20 +412,21 @@ def calibrated(prepared: Prepared, run) -> Prepared:
 
 
 def generate(model: Model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, speculative_k: int | str = 0, eos_token_id: int | None = None,
+             top_p: float = 1.0, speculative_k: int | str = 0, eos_token_id: int | Sequence[int] | None = None,
              seed: int = 0) -> GenerationOutput:
     """Generates up to max_new_tokens for each prompt, in one jitted loop.
 
     Args:
-      prompts: token-id lists, any lengths.
+      prompts: token-id lists, any lengths (or a 2-D integer array [batch, length]).
       temperature: 0 = greedy (top_k / top_p then unused).
-      top_k: 0 = off. top_p: 1.0 = off.
+      top_k: 0 = off (as is any value >= the vocabulary). top_p: 1.0 = off.
       speculative_k: drafts per round from the MTP module (0 = plain decoding, up to 8), or "auto":
         each round chooses k in 0..AUTO_MAX_K from the measured cost of a round at each k on this
         device (jaxmtp.calibration, measured on first use and cached on disk) and the acceptance
         measured so far (jaxmtp.adaptive). Greedy output is identical to plain greedy; sampled
         output has the same distribution.
-      eos_token_id: a row stops after emitting it.
+      eos_token_id: an id or a list of ids (as configs carry them): a row stops right after
+        emitting any of them.
     A row also stops at max_position_embeddings tokens in all.
     """
     prepared = prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, speculative_k, eos_token_id, seed)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmtp import checks
 from jaxmtp.config import ModelConfig
 from jaxmtp.layout import CHECKPOINT, Layout, convert, decode_layout
 from jaxmtp.quant import QuantizedWeight, is_quantized_param, scale_shape, with_matmul
@@ -119,6 +120,11 @@ class Model:
             self._decoding = self.with_layout(decode_layout(self.config, self.params, self.mesh))
         return self._decoding
 
+    def without_mtp(self) -> "Model":
+        """The main model alone: the MTP module's parameters dropped (speculative_k=0 only)."""
+        params = {name: tree for name, tree in self.params.items() if name != "mtp"}
+        return Model(self.config.replace(num_nextn_predict_layers=0), params, self.mesh, self.layout)
+
     def mesh_context(self):
         """`jax.set_mesh(mesh)` for the model's mesh (the MoE layers read it to run expert-parallel)."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -129,7 +135,7 @@ class Model:
 
     def forward(self, tokens) -> tuple[jax.Array, jax.Array]:
         """tokens [B, T] int -> (logits [B, T, V] float32, post-final-norm hidden [B, T, D])."""
-        tokens = jnp.asarray(tokens, jnp.int32)
+        tokens = checks.token_ids("tokens", tokens, self.config.vocab_size)
         with self.mesh_context():
             return _forward(self.config, self.dtype, self.layout, self.params, tokens)
 
@@ -138,7 +144,11 @@ class Model:
         and predicts t_{p+2}. hidden [B, T, D], next_tokens [B, T] -> logits [B, T, V] float32."""
         if not self.config.has_mtp:
             raise ValueError("mtp_forward: this model has no MTP module (num_nextn_predict_layers = 0)")
-        next_tokens = jnp.asarray(next_tokens, jnp.int32)
+        next_tokens = checks.token_ids("next_tokens", next_tokens, self.config.vocab_size)
+        want = (*next_tokens.shape, self.config.hidden_size)
+        if tuple(jnp.shape(hidden)) != want:
+            raise ValueError(f"mtp_forward: hidden must be [B, T, hidden_size] = {list(want)} for next_tokens of "
+                             f"shape {list(next_tokens.shape)}, found {list(jnp.shape(hidden))}")
         with self.mesh_context():
             return _mtp_forward(self.config, self.dtype, self.layout, self.params, jnp.asarray(hidden, self.dtype),
                                 next_tokens)
@@ -161,7 +171,8 @@ def init(config: ModelConfig, seed: int = 0, dtype="float32", mesh=None) -> Mode
     """Random parameters (normal(initializer_range) weights, unit norms, zero routing bias).
 
     With a mesh (`jaxmtp.make_mesh`), every parameter is created directly with its NamedSharding."""
-    fn = lambda key: nn.meta.unbox(_init_variables(config, jnp.dtype(dtype), key))["params"]  # noqa: E731
+    dtype = checks.float_dtype("dtype", dtype)
+    fn = lambda key: nn.meta.unbox(_init_variables(config, dtype, key))["params"]  # noqa: E731
     shardings = None
     if mesh is not None:
         from jaxmtp.sharding import param_shardings

@@ -72,6 +72,31 @@ def test_bad_values_raise_config_error_naming_the_field(change, field):
         ModelConfig.from_hf_config(v3_dict() | change)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": "10"}, "num_hidden_layers: expected an integer, found '10'"),
+    ({"hidden_size": 64.5}, "hidden_size: expected an integer, found 64.5"),
+    ({"first_k_dense_replace": None}, "first_k_dense_replace: expected an integer, found None"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps: expected a number, found '1e-6'"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings: expected true or false, found 'yes'"),
+    ({"eos_token_id": "x"}, "eos_token_id: expected an integer, found 'x'"),
+    ({"eos_token_id": [1, 10 ** 9]}, r"eos_token_id: 1000000000 is outside the vocabulary \[0, 129280\)"),
+    ({"rope_scaling": "yarn"}, "rope_scaling: expected a dict, found str"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": "40", "original_max_position_embeddings": 4096}},
+     "rope_parameters.factor: expected a number, found '40'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": "128"}},
+     "quantization_config.weight_block_size: expected two positive ints"),
+])
+def test_wrong_types_raise_config_error_naming_the_field(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_config(v3_dict() | change)
+
+
+def test_config_file_that_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="config.json: expected a JSON object of fields, found a JSON list"):
+        ModelConfig.from_hf_config(tmp_path)
+
+
 def test_missing_kv_lora_rank_raises():
     raw = v3_dict()
     del raw["kv_lora_rank"]

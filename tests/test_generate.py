@@ -14,22 +14,28 @@ from jaxmtp.generation import AUTO_MAX_K, AUTO_SEGMENT, TRACES, _generate, prepa
 MAX_NEW = 12
 
 
+def _cut_at_eos(rows, eos):
+    """Each row up to and including its first token in `eos` (the reference for stopping)."""
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in rows]
+
+
 @settings(max_examples=24, deadline=None, derandomize=True)
 @given(kind=st.sampled_from(["partial", "always", "never", "random"]), k=st.integers(1, 4),
        prompts=st.lists(st.lists(st.integers(0, gm.TINY.vocab_size - 1), min_size=1, max_size=12),
                         min_size=1, max_size=8),
-       use_eos=st.booleans())
-def test_speculative_greedy_is_plain_greedy(kind, k, prompts, use_eos):
+       eos_at=st.lists(st.tuples(st.integers(0, 7), st.integers(0, MAX_NEW - 1)), max_size=3))
+def test_speculative_greedy_is_plain_greedy(kind, k, prompts, eos_at):
     model = gm.model(kind)
     plain = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW)
-    eos = None
-    if use_eos:  # a token that really occurs mid-way through the first row's output
-        eos = plain.tokens[0][len(plain.tokens[0]) // 2]
+    assert all(len(row) == MAX_NEW for row in plain.tokens)
+    # EOS ids: tokens that really occur in the outputs (row, position), none to three of them.
+    eos = sorted({plain.tokens[row % len(prompts)][at] for row, at in eos_at}) or None
+    if eos:
+        expected = _cut_at_eos(plain.tokens, eos)
         plain = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW, eos_token_id=eos)
-        assert plain.tokens[0][-1] == eos and len(plain.tokens[0]) <= MAX_NEW
+        assert plain.tokens == expected
     spec = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW, speculative_k=k, eos_token_id=eos)
     assert spec.tokens == plain.tokens
-    assert all(len(row) == MAX_NEW for row in plain.tokens if eos is None)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -77,14 +83,68 @@ def test_bad_arguments_fail_before_any_work():
     too_long = [[1] * model.config.max_position_embeddings]
     with pytest.raises(ValueError, match=r"prompts\[0\]: 2048 tokens leave no room"):
         jaxmtp.generate(model, too_long)
-    with pytest.raises(ValueError, match=r"prompts\[1\]: token id 512 outside the vocabulary \[0, 512\)"):
+    with pytest.raises(ValueError, match=r"prompts\[1\]\[0\]: token id 512 outside the vocabulary \[0, 512\)"):
         jaxmtp.generate(model, [[1], [512]])
-    with pytest.raises(ValueError, match=r"speculative_k: expected \"auto\" or an integer 0..8, found 9"):
+    with pytest.raises(ValueError, match=r"speculative_k: expected an integer 0..8, found 9"):
         jaxmtp.generate(model, [[1]], speculative_k=9)
-    no_mtp = jaxmtp.Model(model.config.replace(num_nextn_predict_layers=0),
-                          {key: v for key, v in model.params.items() if key != "mtp"})
     with pytest.raises(ValueError, match="needs an MTP module"):
-        jaxmtp.generate(no_mtp, [[1]], speculative_k=1)
+        jaxmtp.generate(model.without_mtp(), [[1]], speculative_k=1)
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(prompts=[[1.5, 2]]), TypeError, r"prompts\[0\]\[0\]: expected an integer, found 1.5"),
+    (dict(prompts=[[1, "2"]]), TypeError, r"prompts\[0\]\[1\]: expected an integer, found '2'"),
+    (dict(prompts=[[None]]), TypeError, r"prompts\[0\]\[0\]: expected an integer, found None"),
+    (dict(prompts=[[True]]), TypeError, r"prompts\[0\]\[0\]: expected an integer, found True"),
+    (dict(prompts=[1, 2, 3]), TypeError, "prompts: expected a list of prompts .* found a flat list"),
+    (dict(prompts=np.array([1, 2, 3])), TypeError, r"prompts: expected a 2-D array .* shape \(3,\)"),
+    (dict(prompts=np.array([[1.0, 2.0]])), TypeError, r"prompts\[0\]: expected a 1-D integer array"),
+    (dict(prompts="1 2 3"), TypeError, "prompts: expected a list of token-id lists, found str"),
+    (dict(prompts=[]), ValueError, "prompts: expected at least one prompt"),
+    (dict(prompts=[[1], []]), ValueError, r"prompts\[1\]: empty"),
+    (dict(prompts=[[-1]]), ValueError, r"prompts\[0\]\[0\]: token id -1 outside the vocabulary"),
+    (dict(max_new_tokens=2.5), TypeError, "max_new_tokens: expected an integer, found 2.5"),
+    (dict(max_new_tokens="4"), TypeError, "max_new_tokens: expected an integer, found '4'"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens: expected an integer >= 1, found 0"),
+    (dict(speculative_k=1.5), TypeError, "speculative_k: expected an integer, found 1.5"),
+    (dict(speculative_k="2"), ValueError, "speculative_k: expected \"auto\" or an integer 0..8, found '2'"),
+    (dict(speculative_k=True), TypeError, "speculative_k: expected an integer, found True"),
+    (dict(temperature=float("nan")), ValueError, "temperature: expected a finite number >= 0, found nan"),
+    (dict(temperature="0.5"), TypeError, "temperature: expected a number, found '0.5'"),
+    (dict(top_p=0.0), ValueError, r"top_p: expected a finite number > 0 and <= 1, found 0.0"),
+    (dict(top_k=2.5), TypeError, "top_k: expected an integer, found 2.5"),
+    (dict(seed="x"), TypeError, "seed: expected an integer, found 'x'"),
+    (dict(eos_token_id="1"), TypeError, "eos_token_id: expected an integer, found '1'"),
+    (dict(eos_token_id=[1, 512]), ValueError, r"eos_token_id\[1\]: token id 512 outside the vocabulary"),
+])
+def test_bad_argument_types_are_named(arguments, error, message):
+    arguments = {"prompts": [[1, 2]]} | arguments
+    with pytest.raises(error, match=message):
+        jaxmtp.generate(gm.model("partial"), arguments.pop("prompts"), **arguments)
+
+
+def test_array_prompts_and_a_top_k_past_the_vocabulary():
+    model = gm.model("partial")
+    listed = jaxmtp.generate(model, [[3, 4, 5], [6, 7, 8]], max_new_tokens=6)
+    assert jaxmtp.generate(model, np.array([[3, 4, 5], [6, 7, 8]]), max_new_tokens=6).tokens == listed.tokens
+    # top-k over the whole vocabulary keeps every token: the same draws as no top-k at all.
+    sampled = [jaxmtp.generate(model, [[3, 4, 5]], max_new_tokens=12, temperature=1.0, top_k=top_k, seed=3).tokens
+               for top_k in (0, model.config.vocab_size + 100)]
+    assert sampled[0] == sampled[1] and len(set(sampled[0][0])) > 1
+
+
+def test_forward_refuses_ids_outside_the_vocabulary_and_mismatched_mtp_shapes():
+    model = gm.model("partial")
+    for bad in ([[1, 512]], [[-1, 2]]):
+        with pytest.raises(ValueError, match=r"tokens: token id -?\d+ outside the vocabulary \[0, 512\)"):
+            model.forward(bad)
+    with pytest.raises(TypeError, match="tokens: expected integer token ids, found dtype float64"):
+        model.forward([[1.0, 2.0]])
+    with pytest.raises(ValueError, match=r"tokens: expected shape \[batch, length\], found \(2,\)"):
+        model.forward([1, 2])
+    _, hidden = model.forward([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"hidden must be \[B, T, hidden_size\] = \[1, 2, 64\] .* found \[1, 3, 64\]"):
+        model.mtp_forward(hidden, [[1, 2]])
 
 
 def test_generation_stops_at_max_position_embeddings():

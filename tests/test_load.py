@@ -77,15 +77,38 @@ def test_wrong_shape(saved, tmp_path):
         jaxmtp.load(d)
 
 
-def test_config_disagreeing_with_weights(saved, tmp_path):
+def test_one_transposed_tensor_is_named_not_blamed_on_the_config(saved, tmp_path):
+    d = _copy(saved[2], tmp_path)
+    _edit(d, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].T.contiguous()}))
+    with pytest.raises(CheckpointError, match=r"'model\.embed_tokens\.weight' has shape \[32, \d+\], expected"):
+        jaxmtp.load(d)
+
+
+@pytest.mark.parametrize("field, value, found", [("n_routed_experts", 16, 8), ("hidden_size", 48, 32),
+                                                  ("num_hidden_layers", 5, 4), ("first_k_dense_replace", 1, 2)])
+def test_config_disagreeing_with_weights_names_the_field(saved, tmp_path, field, value, found):
     d = _copy(saved[2], tmp_path)
     with open(os.path.join(d, "config.json")) as f:
         config = json.load(f)
-    config["n_routed_experts"] = 16
+    assert config[field] == found
+    config[field] = value
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(config, f)
-    with pytest.raises(CheckpointError, match=r"e_score_correction_bias' has shape \[8\], expected \[16\] from config\.json"):
+    with pytest.raises(CheckpointError, match=rf"{field} = {value} in config\.json, but the checkpoint's tensors have "
+                                              rf"{found}$"):
         jaxmtp.load(d)
+
+
+def test_config_dtype_that_is_no_dtype(saved, tmp_path):
+    d = _copy(saved[2], tmp_path)
+    with open(os.path.join(d, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config | {"dtype": "float33"}, f)
+    with pytest.raises(jaxmtp.ConfigError, match=r"config\.json: dtype: expected float32, bfloat16 or float16, found 'float33'"):
+        jaxmtp.load(d)
+    with pytest.raises(ValueError, match="dtype: expected float32, bfloat16 or float16, found 'int8'"):
+        jaxmtp.load(saved[2], dtype="int8")
 
 
 def test_pickle_checkpoint_is_refused(saved, tmp_path):
@@ -146,13 +169,31 @@ def test_corrupt_header(saved, tmp_path):
 def test_mtp_expected_but_absent(saved, tmp_path):
     d = _copy(saved[2], tmp_path)
     os.remove(os.path.join(d, "model-mtp.safetensors"))
-    with pytest.raises(CheckpointError, match=r"missing.*model\.layers\.4\."):
+    with pytest.raises(CheckpointError, match=r"num_nextn_predict_layers = 1 in config\.json promises an MTP layer, "
+                                              r"but the checkpoint has none .*jaxmtp\.load\(path, mtp=False\)"):
         jaxmtp.load(d)
+    main = jaxmtp.load(d, mtp=False, quiet=True)
+    assert not main.config.has_mtp and "mtp" not in main.params
+    # The main model's logits do not depend on the MTP layer: those of the HF reference model.
+    tokens = np.random.default_rng(0).integers(0, main.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        expected = saved[0](torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(main.forward(tokens)[0]), expected, atol=1e-4, rtol=0)
+    whole = jaxmtp.load(saved[2], mtp=False, quiet=True)  # the MTP tensors present are left out
+    assert "mtp" not in whole.params
 
 
-def test_non_finite_weights_rejected_when_asked(saved, tmp_path):
+def test_non_finite_weights_rejected(saved, tmp_path):
     d = _copy(saved[2], tmp_path)
     _edit(d, lambda t: t["model.layers.0.self_attn.q_a_proj.weight"].__setitem__((0, 0), float("nan")))
-    jaxmtp.load(d, quiet=True)  # accepted unless asked
     with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.q_a_proj\.weight' contains NaN or Inf"):
-        jaxmtp.load(d, check_finite=True, quiet=True)
+        jaxmtp.load(d, quiet=True)
+    jaxmtp.load(d, check_finite=False, quiet=True)  # skipped only when asked
+
+
+def test_non_finite_orbax_parameter_rejected(tmp_path):
+    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config("configs/tiny.json"))
+    params = dict(model.params, norm={"weight": model.params["norm"]["weight"].at[3].set(np.inf)})
+    jaxmtp.save(jaxmtp.Model(model.config, params), tmp_path / "orbax", format="orbax")
+    with pytest.raises(CheckpointError, match=r"parameter \['norm'\]\['weight'\] contains NaN or Inf"):
+        jaxmtp.load(tmp_path / "orbax")

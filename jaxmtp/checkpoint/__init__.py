@@ -2,14 +2,22 @@
 
 import os
 
+import jax
+import jax.numpy as jnp
+
+from jaxmtp import checks
+from jaxmtp.checkpoint.conversion import convert
 from jaxmtp.checkpoint.hf import load_hf
-from jaxmtp.checkpoint.save import ORBAX_META, load_orbax, save_hf, save_orbax
+from jaxmtp.checkpoint.save import ORBAX_META, load_orbax, save_hf, save_orbax, write_checkpoint
 from jaxmtp.errors import CheckpointError
 from jaxmtp.layout import CHECKPOINT
 from jaxmtp.quant import default_matmul
 
+__all__ = ["convert", "load", "save"]
 
-def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False, quiet=False, matmul=None):
+
+def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=True, quiet=False, matmul=None,
+         mtp=True):
     """Loads a checkpoint directory: HF layout (config.json + safetensors [+ index]), DeepSeek's
     converted `model{rank}-mp{n}.safetensors` (with the HF config.json copied beside them; that
     format has no MTP layer), or one written by `save(..., format="orbax")`.
@@ -20,11 +28,14 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
       mesh: a `jaxmtp.make_mesh` mesh: every parameter is placed with its NamedSharding.
       quantized: for FP8 checkpoints, "keep" (e4m3fn values + block scales, multiplied as `matmul`
         says) or "dequantize" (dense `dtype` weights).
-      check_finite: raise CheckpointError on NaN/Inf in any tensor.
+      check_finite: raise CheckpointError on NaN/Inf in any tensor (checked as each tensor is
+        read, a few percent of the load time; False skips it).
       quiet: no progress bar.
       matmul: with quantized="keep", how the FP8 weights are multiplied: "fp8" (activations
         quantized per 1x128 tile, W8A8 block-scaled GEMM kernels) or "dequant"; default "fp8"
         on GPUs and TPUs with FP8 matmul, else "dequant".
+      mtp: False loads the main model alone (no MTP layer, speculative_k=0 only), also from a
+        checkpoint whose config promises an MTP layer that its files lack.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -33,22 +44,43 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=False
         raise ValueError(f"quantized: expected 'keep' or 'dequantize', found {quantized!r}")
     if matmul is not None and quantized != "keep":
         raise ValueError(f"matmul={matmul!r} applies to FP8 weights kept as such: pass quantized='keep'")
+    dtype = None if dtype is None else checks.float_dtype("dtype", dtype)
     if os.path.exists(os.path.join(path, ORBAX_META)):
         model = load_orbax(path, dtype, quantized, mesh)
+        model = model if mtp else model.without_mtp()
+        if check_finite:
+            _check_finite(path, model.params)
     else:
-        model = load_hf(path, dtype, quantized, check_finite, quiet, mesh)
+        model = load_hf(path, dtype, quantized, check_finite, quiet, mesh, mtp)
     return model.with_matmul(matmul or default_matmul()) if quantized == "keep" else model
 
 
-def save(model, path, format="hf", max_shard_bytes=4 << 30):
+def _check_finite(path, params):
+    """CheckpointError naming the first parameter with a NaN or Inf (one jitted reduction per leaf,
+    on the devices that hold it)."""
+    finite = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.isfinite(x).all(), tree))(params)
+    for key_path, ok in jax.tree_util.tree_flatten_with_path(finite)[0]:
+        if not ok:
+            raise CheckpointError(f"{path}: parameter {jax.tree_util.keystr(key_path)} contains NaN or Inf")
+
+
+def save(model, path, format="hf", max_shard_bytes=4 << 30, overwrite=False, extra_files=()):
     """Writes `model` to directory `path` as format "hf" (safetensors files of at most
-    `max_shard_bytes` each, plus their index) or "orbax"."""
+    `max_shard_bytes` each, plus their index) or "orbax", all at once: the checkpoint is written and
+    fsynced in a temporary directory beside `path` and only then moved there, so an interrupted save
+    leaves `path` as it was (see `write_checkpoint`).
+
+    Args:
+      overwrite: replace an existing non-empty directory `path` whole (an old README, tokenizer or
+        training record there goes too); without it such a directory raises CheckpointError.
+      extra_files: files copied into the checkpoint under their base names before it appears, e.g.
+        the tokenizer.json that goes with the model.
+    """
     if model.layout != CHECKPOINT:
         raise ValueError(f"save: the model's parameters are in the decode layout {model.layout}; save the model "
                          "they were converted from (checkpoints hold the checkpoint layout)")
-    if format == "hf":
-        save_hf(model, os.fspath(path), max_shard_bytes)
-    elif format == "orbax":
-        save_orbax(model, os.fspath(path))
-    else:
+    writers = {"hf": lambda directory: save_hf(model, directory, max_shard_bytes),
+               "orbax": lambda directory: save_orbax(model, directory)}
+    if format not in writers:
         raise ValueError(f"format: expected 'hf' or 'orbax', found {format!r}")
+    write_checkpoint(os.fspath(path), writers[format], overwrite, extra_files)

@@ -20,11 +20,12 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxmtp.checkpoint import official
+from jaxmtp import checks
+from jaxmtp.checkpoint import diagnose, official
 from jaxmtp.checkpoint.names import expected_tensors, hf_name, mtp_copy_names
 from jaxmtp.checkpoint.sharded import TensorFiles, load_onto_mesh
 from jaxmtp.config import ModelConfig
-from jaxmtp.errors import CheckpointError
+from jaxmtp.errors import CheckpointError, ConfigError
 from jaxmtp.model import Model, abstract_params
 from jaxmtp.quant import dequantize
 
@@ -66,11 +67,15 @@ def default_dtype(directory: str):
     """The dtype a checkpoint's config.json declares (`dtype` or `torch_dtype`), else float32."""
     with open(os.path.join(directory, "config.json")) as f:
         raw = json.load(f)
-    return jnp.dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    field = "dtype" if raw.get("dtype") else "torch_dtype"
+    try:
+        return checks.float_dtype(field, raw.get(field) or "float32")
+    except ValueError as e:
+        raise ConfigError(f"{os.path.join(directory, 'config.json')}: {e}") from None
 
 
-def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_finite: bool = False,
-            quiet: bool = False, mesh=None) -> Model:
+def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_finite: bool = True,
+            quiet: bool = False, mesh=None, mtp: bool = True) -> Model:
     """Loads an HF-layout or DeepSeek-converted checkpoint into a Model.
 
     Args:
@@ -79,6 +84,7 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
         scales) and "dequantize" produces dense `dtype` arrays.
       check_finite: reject NaN/Inf in any tensor.
       mesh: place every parameter with its NamedSharding, each device receiving only its slice.
+      mtp: False loads the main model alone, without the MTP layer's tensors even if present.
     Every tensor the config implies must be present with its exact shape and dtype, and every
     tensor in the files must be one the model uses; anything else raises CheckpointError.
     """
@@ -88,15 +94,19 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
         warnings.warn(f"{directory}: DeepSeek's converted model{{rank}}-mp{{n}} format carries no MTP layer; "
                       "loading the main model only", stacklevel=3)
         config = config.replace(num_nextn_predict_layers=0)
+    skipped = mtp_layer_prefix(config) if not mtp else None
+    config = config if mtp else config.replace(num_nextn_predict_layers=0)
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype(directory)
     keep = quantized == "keep" and config.quantization is not None
     target = abstract_params(config, dtype, keep_fp8=keep)
     expected = {name: rest for name, *rest in expected_tensors(target, config)}
     copies = mtp_copy_names(config)
     files = ranks or checkpoint_files(directory)
+    if not ranks:
+        _check_architecture(files, config, skipped)
     if mesh is not None and not ranks:
-        return Model(config, _load_onto_mesh(files, target, expected, copies, config, keep, check_finite, quiet, mesh),
-                     mesh)
+        return Model(config, _load_onto_mesh(files, target, expected, copies, config, keep, check_finite, quiet, mesh,
+                                             skipped), mesh)
     buffers = jax.tree.map(lambda leaf: _aligned_empty(leaf.shape, leaf.dtype), target)
     placer = _Placer(buffers, keep, config)
     copy_values = {}
@@ -104,11 +114,13 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
         source = official.rank_tensors(files, expected, config, bar) if ranks else _tensors(files, bar)
         for count, (file, name, kind, value) in enumerate(source, 1):
             bar.set_postfix(tensors=count, refresh=False)
+            if skipped and name.startswith(skipped):
+                continue
             if name in copies:
                 copy_values[name] = value
                 continue
             _check_tensor(file, name, kind, value.shape, expected, config)
-            if check_finite and not np.isfinite(value.astype(np.float32)).all():
+            if check_finite and not np.isfinite(value).all():  # ml_dtypes' isfinite: bf16 and FP8 without a copy
                 raise CheckpointError(f"{file}: tensor {name!r} contains NaN or Inf")
             path, index, _, role = expected[name]
             placer.place(name, path, index, role, value)
@@ -122,14 +134,14 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
     return Model(config, place(buffers, param_shardings(config, target, mesh)), mesh)
 
 
-def _load_onto_mesh(files, target, expected, copies, config, keep, check_finite, quiet, mesh):
+def _load_onto_mesh(files, target, expected, copies, config, keep, check_finite, quiet, mesh, skipped):
     """Checks every header, then reads each device's block of each parameter on its own."""
     from jaxmtp.sharding import param_shardings
 
     with contextlib.ExitStack() as stack:
         tensors = TensorFiles(files, stack)
         for name, (file, kind, shape) in tensors.where.items():
-            if name not in copies:
+            if name not in copies and not (skipped and name.startswith(skipped)):
                 _check_tensor(file, name, kind, shape, expected, config)
         _check_missing(os.path.dirname(files[0]), expected, tensors.where)
         for name, path in copies.items():
@@ -177,6 +189,22 @@ def _tensors(files, bar):
             tensors = TensorFiles([file], stack)
             for name, (_, kind, _) in tensors.where.items():
                 yield file, name, kind, tensors.read(name, bar=bar)
+
+
+def mtp_layer_prefix(config: ModelConfig) -> str | None:
+    """The HF name prefix of the MTP layer's tensors (layer index num_hidden_layers), or None."""
+    return f"model.layers.{config.num_hidden_layers}." if config.has_mtp else None
+
+
+def _check_architecture(files, config, skipped):
+    """Compares the sizes the tensor headers imply with config.json before reading any data, so
+    that a disagreement names the config field (jaxmtp.checkpoint.diagnose)."""
+    with contextlib.ExitStack() as stack:
+        shapes = {name: shape for name, (_, _, shape) in TensorFiles(files, stack).where.items()
+                  if not (skipped and name.startswith(skipped))}
+    problem = diagnose.mismatch(config, shapes)
+    if problem:
+        raise CheckpointError(f"{os.path.dirname(files[0])}: {problem}")
 
 
 def _check_tensor(file, name, kind, shape, expected, config):

@@ -1,10 +1,16 @@
 """Writing checkpoints: the HF layout (sharded safetensors + index, FP8 + scales for kept weights,
-the MTP module at layer index num_hidden_layers) or an orbax-checkpoint directory."""
+the MTP module at layer index num_hidden_layers) or an orbax-checkpoint directory, each written into
+a temporary directory and moved into place whole (`write_checkpoint`)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import shutil
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +21,7 @@ from safetensors.numpy import save_file
 from jaxmtp.checkpoint.hf import INDEX_FILE, _leaf
 from jaxmtp.checkpoint.names import expected_tensors
 from jaxmtp.config import ModelConfig
+from jaxmtp.errors import CheckpointError
 from jaxmtp.model import Model, abstract_params
 from jaxmtp.quant import QuantizedWeight, is_quantized
 
@@ -27,8 +34,8 @@ def saved_config(model):
 
 
 def save_hf(model, path: str, max_shard_bytes: int = 4 << 30):
-    """Writes config.json, model-XXXXX-of-YYYYY.safetensors and model.safetensors.index.json."""
-    os.makedirs(path, exist_ok=True)
+    """Writes config.json, model-XXXXX-of-YYYYY.safetensors and model.safetensors.index.json into the
+    existing directory `path` (a `write_checkpoint` temporary)."""
     config = saved_config(model)
     raw = config.to_hf_config()
     raw["dtype"] = str(model.dtype)
@@ -56,15 +63,132 @@ def save_hf(model, path: str, max_shard_bytes: int = 4 << 30):
 
 
 def save_orbax(model, path: str):
-    """An orbax-checkpoint of the parameter tree under `params/`, with config.json beside it."""
+    """An orbax-checkpoint of the parameter tree under `params/`, with config.json beside it, written
+    into the existing directory `path` (a `write_checkpoint` temporary)."""
     path = os.path.abspath(path)
-    os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model.config.to_hf_config(), f, indent=2)
     with open(os.path.join(path, ORBAX_META), "w") as f:
         json.dump({"dtype": str(model.dtype), "quantized": is_quantized(model.params)}, f)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.path.join(path, "params"), model.params)
+
+
+AT_FDCWD = -100  # renameat2: paths relative to the working directory
+RENAME_EXCHANGE = 2  # renameat2 flag (linux/fs.h): swap the two paths in one step
+STAGED = "checkpoint"  # the new checkpoint's name inside its temporary directory
+
+
+def write_checkpoint(path: str, write, overwrite: bool = False, extra_files=()):
+    """Runs `write(directory)` on a new directory inside a fresh temporary one beside `path` (same
+    parent, so the final rename is atomic), copies `extra_files` into it under their base names,
+    fsyncs all of it and only then moves it to `path`: `path` never shows a half-written checkpoint,
+    nor a new config.json beside old weights.
+
+    `path` must be absent or an empty directory unless `overwrite`, which replaces an existing
+    directory whole (files that are not part of the new checkpoint go too). On Linux the old and new
+    directories are swapped in one step (renameat2 RENAME_EXCHANGE), so `path` is at every instant
+    either the whole old checkpoint or the whole new one. Where that call is missing (another OS, an
+    old libc, a filesystem without it) the old directory is renamed aside and the new one renamed in:
+    between those two renames `path` briefly does not exist. Either way the old checkpoint is deleted
+    afterwards.
+
+    A symlink at `path` is followed: the directory it points to is replaced, the link stays.
+    An exception while writing deletes the temporary directory and leaves `path` as it was. A process
+    killed mid-write leaves its temporary `.{name}.tmp-*` beside `path`: its name starts with a dot,
+    nothing loads it, and it can be deleted at any time.
+    """
+    path = os.path.realpath(path)
+    check_destination(path, overwrite)
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    temporary = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")
+    try:
+        staged = os.path.join(temporary, STAGED)
+        os.mkdir(staged)  # unlike mkdtemp's own directory, gets the usual permissions (umask)
+        write(staged)
+        _copy_in(extra_files, staged)
+        _fsync_tree(staged)
+        _move_into_place(staged, path, overwrite)
+        _fsync(parent)
+    finally:
+        shutil.rmtree(temporary)  # what a failed write left, or the old checkpoint after a swap
+
+
+def check_destination(path: str, overwrite: bool):
+    """Refuses a destination that is a file, or a non-empty directory without `overwrite`: its content
+    would be lost."""
+    if os.path.isdir(path):
+        entries = sorted(os.listdir(path))
+        if entries and not overwrite:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise CheckpointError(f"{path}: expected a new or empty directory, found one holding {len(entries)} "
+                                  f"entries ({shown}); pass overwrite=True (--overwrite) to replace it whole")
+    elif os.path.lexists(path):
+        raise CheckpointError(f"{path}: expected a directory to write the checkpoint into, found a file")
+
+
+def _copy_in(files, directory: str):
+    """Copies `files` into the checkpoint `directory` under their base names, refusing one that would
+    replace a file of the checkpoint itself (its config.json, say)."""
+    for file in files:
+        target = os.path.join(directory, os.path.basename(file))
+        if os.path.lexists(target):
+            raise ValueError(f"extra file {file}: the checkpoint already has a {os.path.basename(file)} of its own")
+        shutil.copy2(file, target)
+
+
+def _move_into_place(staged: str, path: str, overwrite: bool):
+    """Publishes the finished checkpoint `staged` as `path`; any old one ends up beside `staged`, in
+    the temporary directory that `write_checkpoint` deletes."""
+    if overwrite and os.path.isdir(path):
+        if not _exchange(staged, path):
+            _swap_by_renames(staged, path)
+    else:
+        os.rename(staged, path)  # onto nothing or an empty directory; the OS refuses a non-empty one
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps directories `a` and `b` atomically with Linux's renameat2(RENAME_EXCHANGE); False where
+    the OS, libc or filesystem lacks it (ENOSYS, EINVAL)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(code, os.strerror(code), a, None, b)
+
+
+def _swap_by_renames(staged: str, path: str):
+    """Without an atomic exchange: `path` aside (beside `staged`), `staged` in, and the old one back if
+    that fails. Between the two renames `path` does not exist."""
+    os.rename(path, aside := staged + ".old")
+    try:
+        os.rename(staged, path)
+    except BaseException:
+        os.rename(aside, path)
+        raise
+
+
+def _fsync_tree(directory: str):
+    """Flushes every file and directory under `directory` to disk before the rename that publishes
+    it, so that a crash cannot leave a complete-looking checkpoint of empty or truncated files."""
+    for root, _, files in os.walk(directory):
+        for file in files:
+            _fsync(os.path.join(root, file))
+        _fsync(root)
+
+
+def _fsync(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_orbax(path: str, dtype=None, quantized: str = "dequantize", mesh=None):

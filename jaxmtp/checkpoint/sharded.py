@@ -92,7 +92,7 @@ def _read_block(tensors, path, abstract, index, stacked, config, part, block, ba
             value = _dequantized_region(tensors, name, region, block, bar)
         else:
             value = tensors.read(name + ("_scale_inv" if part == "scale" else ""), region, bar)
-        if check_finite and not np.isfinite(value.astype(np.float32)).all():
+        if check_finite and not np.isfinite(value).all():
             raise CheckpointError(f"{tensors.where[name][0]}: tensor {name!r} contains NaN or Inf")
         out[local] = value
     return out

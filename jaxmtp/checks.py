@@ -1,0 +1,113 @@
+"""Argument checks for the public API. Each names the argument and says what was expected and what
+was found, so that a wrong value fails at the call, not as NaN logits or a trace error deep in JAX."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import numpy as np
+
+
+def whole(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as an int: a Python or numpy integer (not a bool) in [minimum, maximum]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, found {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name}: expected an integer {bounds}, found {value}")
+    return value
+
+
+def real(name: str, value, minimum: float, maximum: float = math.inf, above_minimum: bool = False) -> float:
+    """`value` as a finite float in [minimum, maximum] ((minimum, maximum] with above_minimum)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, found {value!r} ({type(value).__name__})")
+    value = float(value)
+    low_ok = value > minimum if above_minimum else value >= minimum
+    if not (math.isfinite(value) and low_ok and value <= maximum):
+        low = f"> {minimum}" if above_minimum else f">= {minimum}"
+        bounds = low if maximum == math.inf else f"{low} and <= {maximum}"
+        raise ValueError(f"{name}: expected a finite number {bounds}, found {value}")
+    return value
+
+
+def prompts(value, vocab_size: int) -> list[list[int]]:
+    """A batch of prompts as lists of ints. Accepts a list or tuple of token-id sequences (lists,
+    tuples or 1-D integer arrays) or a 2-D integer array [batch, length]; each id in [0, vocab_size)."""
+    if isinstance(value, (np.ndarray, jax.Array)):
+        array = np.asarray(value)
+        if array.ndim != 2:
+            raise TypeError(f"prompts: expected a 2-D array [batch, length] or a list of token-id lists, found an "
+                            f"array of shape {array.shape}" + ("; for one prompt pass [ids]" if array.ndim == 1 else ""))
+        value = list(array)
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"prompts: expected a list of token-id lists, found {type(value).__name__}")
+    if not value:
+        raise ValueError("prompts: expected at least one prompt, found an empty list")
+    if all(isinstance(t, numbers.Number) for t in value):
+        raise TypeError("prompts: expected a list of prompts (token-id lists), found a flat list of numbers; "
+                        "for one prompt pass [[id, id, ...]]")
+    return [_prompt(i, p, vocab_size) for i, p in enumerate(value)]
+
+
+def _prompt(i: int, p, vocab_size: int) -> list[int]:
+    if isinstance(p, (np.ndarray, jax.Array)):
+        p = np.asarray(p)
+        if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer):
+            raise TypeError(f"prompts[{i}]: expected a 1-D integer array, found shape {p.shape} dtype {p.dtype}")
+        p = p.tolist()
+    if not isinstance(p, (list, tuple)):
+        raise TypeError(f"prompts[{i}]: expected a list of token ids, found {type(p).__name__}")
+    if not p:
+        raise ValueError(f"prompts[{i}]: empty; every prompt needs at least one token")
+    return [token_id(f"prompts[{i}][{j}]", t, vocab_size) for j, t in enumerate(p)]
+
+
+def token_id(name: str, value, vocab_size: int) -> int:
+    """One token id: an integer in [0, vocab_size)."""
+    value = whole(name, value)
+    if not 0 <= value < vocab_size:
+        raise ValueError(f"{name}: token id {value} outside the vocabulary [0, {vocab_size})")
+    return value
+
+
+def token_ids(name: str, value, vocab_size: int):
+    """A [B, T] integer array of token ids in [0, vocab_size), as int32. Traced values (inside a
+    caller's jit) are checked for shape and dtype only."""
+    if not isinstance(value, jax.core.Tracer):
+        value = np.asarray(value)
+        if value.dtype == object or not np.issubdtype(value.dtype, np.integer):
+            raise TypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
+        if value.size and not (0 <= value.min() and value.max() < vocab_size):
+            bad = value[(value < 0) | (value >= vocab_size)].flat[0]
+            raise ValueError(f"{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
+    elif not np.issubdtype(value.dtype, np.integer):
+        raise TypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
+    if value.ndim != 2:
+        raise ValueError(f"{name}: expected shape [batch, length], found {tuple(value.shape)}")
+    return jax.numpy.asarray(value, jax.numpy.int32)
+
+
+def eos_ids(value, vocab_size: int) -> tuple[int, ...]:
+    """eos_token_id as a tuple of ids: None -> (), one id, or a list/tuple of ids."""
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("eos_token_id: expected an id or a non-empty list of ids, found an empty list")
+        return tuple(token_id(f"eos_token_id[{i}]", v, vocab_size) for i, v in enumerate(value))
+    return (token_id("eos_token_id", value, vocab_size),)
+
+
+def float_dtype(name: str, value):
+    """A parameter dtype: float32, bfloat16 or float16 (given as a string or a dtype)."""
+    try:
+        dtype = np.dtype(jax.numpy.dtype(value))
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{name}: expected float32, bfloat16 or float16, found {value!r}")
+    return jax.numpy.dtype(dtype)
