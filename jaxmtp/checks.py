@@ -76,8 +76,8 @@ def token_id(name: str, value, vocab_size: int) -> int:
 
 def token_ids(name: str, value, vocab_size: int):
     """A [B, T] integer array of token ids in [0, vocab_size), as int32. Traced values (inside a
-    caller's jit) are checked for shape and dtype only."""
-    if not isinstance(value, jax.core.Tracer):
+    caller's jit) and arrays spanning several processes are checked for shape and dtype only."""
+    if not isinstance(value, jax.core.Tracer) and not (isinstance(value, jax.Array) and not value.is_fully_addressable):
         value = np.asarray(value)
         if value.dtype == object or not np.issubdtype(value.dtype, np.integer):
             raise TypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
