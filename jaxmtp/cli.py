@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmtp
-from jaxmtp import DEMO_MODEL
+from jaxmtp import DEMO_MODEL, checks
 from jaxmtp.errors import CheckpointError, ConfigError
 from jaxmtp.generation import MAX_SPECULATIVE_K
+from jaxmtp.sharding import AXES
 
 
 
@@ -97,15 +98,21 @@ def _load(path: str, flag: str = "--model", **kwargs):
 
 # argparse `type=` functions: a bad value is reported as "argument --flag: <message>", exit 2.
 
-def _whole(text: str, minimum: int, maximum: int | None = None) -> int:
+def _checked(check, parse, text: str, *bounds, **options):
+    """`text` parsed by `parse` (int or float) and bounded by the `jaxmtp.checks` function `check`,
+    which words the refusal; text that is no number reaches the check as it is, to be named so."""
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
-        value = None
-    if value is None or value < minimum or (maximum is not None and value > maximum):
-        bounds = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
-        raise argparse.ArgumentTypeError(f"expected an integer {bounds}, found {text!r}")
-    return value
+        value = text
+    try:
+        return check("value", value, *bounds, **options)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from None
+
+
+def _whole(text: str, minimum: int, maximum: int | None = None) -> int:
+    return _checked(checks.whole, int, text, minimum, maximum)
 
 
 def _positive(text: str) -> int:
@@ -121,16 +128,7 @@ def _draft_count(text: str) -> int:
 
 
 def _real(text: str, minimum: float, maximum: float = math.inf, above_minimum: bool = False) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    low_ok = value > minimum if above_minimum else value >= minimum
-    if not (math.isfinite(value) and low_ok and value <= maximum):
-        low = f"> {minimum:g}" if above_minimum else f">= {minimum:g}"
-        bounds = low if maximum == math.inf else f"{low} and <= {maximum:g}"
-        raise argparse.ArgumentTypeError(f"expected a finite number {bounds}, found {text!r}")
-    return value
+    return _checked(checks.real, float, text, minimum, maximum, above_minimum=above_minimum)
 
 
 def _temperature(text: str) -> float:
@@ -185,16 +183,13 @@ def _ks(text: str) -> list[int]:
             f"expected comma-separated integers 1..{MAX_SPECULATIVE_K}, found {text!r}") from None
 
 
-_MESH_AXES = ("data", "expert", "tensor")
-
-
 def _mesh(text: str) -> dict[str, int]:
     """--mesh: "expert=8,tensor=8" -> the size of each axis (1 where not named)."""
-    sizes = dict.fromkeys(_MESH_AXES, 1)
+    sizes = dict.fromkeys(AXES, 1)
     for part in text.split(","):
         name, _, value = part.partition("=")
         if name not in sizes or not value.isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(f"expected comma-separated axis=size pairs (axes {', '.join(_MESH_AXES)}; "
+            raise argparse.ArgumentTypeError(f"expected comma-separated axis=size pairs (axes {', '.join(AXES)}; "
                                              f"sizes positive integers), found {text!r}")
         sizes[name] = int(value)
     return sizes

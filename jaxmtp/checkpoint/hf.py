@@ -93,8 +93,9 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
     if ranks and config.has_mtp:
         warnings.warn(f"{directory}: DeepSeek's converted model{{rank}}-mp{{n}} format carries no MTP layer; "
                       "loading the main model only", stacklevel=3)
-        config = config.replace(num_nextn_predict_layers=0)
-    skipped = mtp_layer_prefix(config) if not mtp else None
+        mtp = False
+    # Names of the MTP layer's tensors, left unread without it (str.startswith of () is False).
+    skipped = (f"model.layers.{config.num_hidden_layers}.",) if config.has_mtp and not mtp else ()
     config = config if mtp else config.replace(num_nextn_predict_layers=0)
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype(directory)
     keep = quantized == "keep" and config.quantization is not None
@@ -114,7 +115,7 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
         source = official.rank_tensors(files, expected, config, bar) if ranks else _tensors(files, bar)
         for count, (file, name, kind, value) in enumerate(source, 1):
             bar.set_postfix(tensors=count, refresh=False)
-            if skipped and name.startswith(skipped):
+            if name.startswith(skipped):
                 continue
             if name in copies:
                 copy_values[name] = value
@@ -141,7 +142,7 @@ def _load_onto_mesh(files, target, expected, copies, config, keep, check_finite,
     with contextlib.ExitStack() as stack:
         tensors = TensorFiles(files, stack)
         for name, (file, kind, shape) in tensors.where.items():
-            if name not in copies and not (skipped and name.startswith(skipped)):
+            if name not in copies and not name.startswith(skipped):
                 _check_tensor(file, name, kind, shape, expected, config)
         _check_missing(os.path.dirname(files[0]), expected, tensors.where)
         for name, path in copies.items():
@@ -191,17 +192,12 @@ def _tensors(files, bar):
                 yield file, name, kind, tensors.read(name, bar=bar)
 
 
-def mtp_layer_prefix(config: ModelConfig) -> str | None:
-    """The HF name prefix of the MTP layer's tensors (layer index num_hidden_layers), or None."""
-    return f"model.layers.{config.num_hidden_layers}." if config.has_mtp else None
-
-
 def _check_architecture(files, config, skipped):
     """Compares the sizes the tensor headers imply with config.json before reading any data, so
     that a disagreement names the config field (jaxmtp.checkpoint.diagnose)."""
     with contextlib.ExitStack() as stack:
         shapes = {name: shape for name, (_, _, shape) in TensorFiles(files, stack).where.items()
-                  if not (skipped and name.startswith(skipped))}
+                  if not name.startswith(skipped)}
     problem = diagnose.mismatch(config, shapes)
     if problem:
         raise CheckpointError(f"{os.path.dirname(files[0])}: {problem}")
