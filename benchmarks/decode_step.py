@@ -20,8 +20,11 @@ import jax.numpy as jnp
 
 import jaxmtp
 from jaxmtp.cache import MLACache
-from jaxmtp.generation import Static, _empty_caches, _main, _mtp
-from jaxmtp.model import parameter_counts
+try:
+    from jaxmtp.decoding import Static, empty_caches, main_forward, mtp_step
+except ImportError:  # an earlier engine (measuring a base tree), which named them so
+    from jaxmtp.generation import Static, _empty_caches as empty_caches, _main as main_forward, _mtp as mtp_step
+from jaxmtp.params import parameter_counts
 from jaxmtp.sampling import SamplingMode
 from timing import median_seconds
 
@@ -45,7 +48,7 @@ def step_loops(static, rows, calls):
         def body(_, carry):
             caches, acc = carry
             tokens = fed(acc)
-            logits, _, caches = _main(static, params, tokens, positions, caches, absorbed=True)
+            logits, _, caches = main_forward(static, params, tokens, positions, caches, absorbed=True)
             return caches, acc + logits[0, 0, 0]
         return jax.lax.fori_loop(0, calls, body, (caches, jnp.float32(0)))[1]
 
@@ -54,7 +57,7 @@ def step_loops(static, rows, calls):
             cache, acc = carry
             tokens = fed(acc)
             hidden = jnp.ones((1, rows, static.config.hidden_size), static.dtype) * acc
-            logits, _, cache = _mtp(static, params, hidden, tokens, positions, cache, absorbed=True)
+            logits, _, cache = mtp_step(static, params, hidden, tokens, positions, cache, absorbed=True)
             return cache, acc + logits[0, 0, 0] * 1e-6
         return jax.lax.fori_loop(0, calls, body, (cache, jnp.float32(0)))[1]
 
@@ -83,7 +86,7 @@ def main():
     main, mtp = {}, {}
     for rows in (int(r) for r in args.rows.split(",")):
         main_loop, mtp_loop = step_loops(static, rows, args.calls)
-        main[rows] = microseconds_per_call(main_loop, (model.params, _empty_caches(static, 1)), args.calls)
+        main[rows] = microseconds_per_call(main_loop, (model.params, empty_caches(static, 1)), args.calls)
         mtp_cache = MLACache.zeros(model.config, None, 1, CACHE_LEN, model.dtype)
         mtp[rows] = microseconds_per_call(mtp_loop, (model.params, mtp_cache), args.calls)
         print(f"T={rows}: main forward {main[rows]:8.1f}   MTP pass {mtp[rows]:7.1f}", flush=True)

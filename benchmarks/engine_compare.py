@@ -29,8 +29,7 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
     and the prefill-only seconds."""
     import jax
     import jaxmtp
-    from jaxmtp import data
-    from jaxmtp.generation import _generate, prepare
+    from jaxmtp import data, generation
     from tokenizers import Tokenizer
 
     model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
@@ -39,28 +38,36 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
     prompts = data.prompts_from(held_out, prompt_count, prompt_len)
 
     def compiled(k, new):
-        runs, cache = [], {}
+        """Per prompt: (run the compiled loop, its new-token count from what it returns)."""
+        if hasattr(getattr(generation, "Prepared", None), "run"):  # this tree: Prepared runs the compiled loop
+            runs = []
+            for p in prompts:
+                prepared = generation.calibrated(generation.prepare(model, [p], max_new_tokens=new, speculative_k=k))
+                jax.block_until_ready(prepared.run(prepared.limited(1)))  # compiles, once per bucket
+                runs.append((prepared.run, lambda state: int(state.count[0])))
+            return runs
+        runs, cache = [], {}  # an earlier engine: one jitted function over positional arguments
         for p in prompts:
-            prepared = prepare(model, [p], new, speculative_k=k)
+            prepared = generation.prepare(model, [p], new, speculative_k=k)
             signature = (prepared.static, prepared.args[1].shape)  # one compile per bucket
             if signature not in cache:
-                cache[signature] = _generate.lower(prepared.static, *prepared.args).compile()
-            runs.append((cache[signature], prepared.args))
+                cache[signature] = generation._generate.lower(prepared.static, *prepared.args).compile()
+            runs.append((lambda fn=cache[signature], args=prepared.args: fn(*args), lambda out: int(out[1][0])))
         return runs
 
     def seconds(runs):
         start = time.perf_counter()
-        outs = [jax.block_until_ready(fn(*args)) for fn, args in runs]
-        return time.perf_counter() - start, outs
+        outs = [jax.block_until_ready(run()) for run, _ in runs]
+        return time.perf_counter() - start, [count(out) for out, (_, count) in zip(outs, runs)]
 
     full = {k: compiled(k, max_new_tokens) for k in ks}
     first = {k: compiled(k, 1) for k in ks}
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         k = int(line.split()[1])
-        total, outs = seconds(full[k])
+        total, counts = seconds(full[k])
         prefill, _ = seconds(first[k])
-        tokens = sum(int(out[1][0]) for out in outs)  # out[1]: new tokens per row
+        tokens = sum(counts)
         print(json.dumps({"seconds": total, "prefill_seconds": prefill, "tokens": tokens, "prompts": len(prompts)}),
               flush=True)
 

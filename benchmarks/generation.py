@@ -21,21 +21,21 @@ import numpy as np
 
 import jaxmtp
 from jaxmtp import bench
-from jaxmtp.generation import decode_round, prefill, prepare, timed_generate
+from jaxmtp.decoding import decode_round, prefill
+from jaxmtp.generation import prepare, timed_generate
 
 
 def python_loop_seconds(model, prompts, repeats, **kwargs) -> tuple[list[float], list[list[int]]]:
     """Same computation as `generate`, driven round by round from Python."""
     prepared = prepare(model, prompts, **kwargs)
-    static = prepared.static
-    params, prompt, lengths, limits, eos, sampling, key, real, _, _ = prepared.args
+    static, params, inputs = prepared.static, prepared.params, prepared.inputs
     first = jax.jit(prefill, static_argnums=0)
     step = jax.jit(decode_round, static_argnums=(0, 1))
 
     def run():
-        state = first(static, params, prompt, lengths, limits, eos, sampling, key, real)
+        state = first(static, params, inputs)
         while not bool(jnp.all(state.done)):
-            state = step(static, static.k, params, state, limits, eos, sampling)
+            state = step(static, static.k, params, state, inputs)
         return jax.block_until_ready(state)
 
     state = run()  # compile

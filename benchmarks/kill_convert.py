@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmtp
-from jaxmtp.model import abstract_params
+from jaxmtp.params import abstract_params
 
 CHILD = "import sys; from jaxmtp.checkpoint import convert; convert(sys.argv[1], sys.argv[2], sys.argv[3], overwrite=True)"
 LIMIT_S = 300  # a convert of the demo model takes seconds; past this the child is taken to hang

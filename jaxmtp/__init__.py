@@ -5,9 +5,11 @@ import os
 from jaxmtp.checkpoint import load, save
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import CheckpointError, ConfigError
-from jaxmtp.generation import GenerationOutput, generate
+from jaxmtp.generation import GenerationOutput, TokenStream, generate, generate_stream
+from jaxmtp.generation_config import GenerationConfig
 from jaxmtp.model import Model, init
 from jaxmtp.sharding import make_mesh
+from jaxmtp.stats import GenerationStats
 
 # The bundled demo checkpoint (HF layout + tokenizer.json): a small DeepSeek-V3 with its MTP layer,
 # trained on the Python standard library's source; see demo_model/README.md.
@@ -16,5 +18,6 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_mode
 # working directory; the repository's configs/ links here.
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
-__all__ = ["CONFIGS", "DEMO_MODEL", "CheckpointError", "ConfigError", "GenerationOutput", "Model", "ModelConfig",
-           "generate", "init", "load", "make_mesh", "save"]
+__all__ = ["CONFIGS", "DEMO_MODEL", "CheckpointError", "ConfigError", "GenerationConfig", "GenerationOutput",
+           "GenerationStats", "Model", "ModelConfig", "TokenStream", "generate", "generate_stream", "init", "load",
+           "make_mesh", "save"]

@@ -13,31 +13,25 @@ import time
 
 import jax
 
-from jaxmtp.generation import Prepared, _generate, calibrated, prepare, unpack
+from jaxmtp.generation import Prepared, calibrated, prepare, unpack
 from jaxmtp.model import Model
 
 
-def _compiled(model: Model, prompts, k, max_new_tokens, eos_token_id) -> list[tuple[Prepared, object]]:
-    """(prepared, compiled loop) per prompt, one compile per bucket; auto calibrated."""
-    runs, executables = [], {}
-
-    def executable(prepared):
-        signature = (prepared.static, prepared.args[1].shape)
-        if signature not in executables:
-            executables[signature] = _generate.lower(prepared.static, *prepared.args).compile()
-        return executables[signature]
-
+def _prepared(model: Model, prompts, k, max_new_tokens, eos_token_id) -> list[Prepared]:
+    """A prepared run per prompt, compiled (one compile per bucket) and with auto calibrated."""
+    runs = []
     for p in prompts:
-        prepared = prepare(model, [p], max_new_tokens, speculative_k=k, eos_token_id=eos_token_id)
-        prepared = calibrated(prepared, executable(prepared))  # auto may turn into the plain loop
-        runs.append((prepared, executable(prepared)))
+        prepared = calibrated(prepare(model, [p], max_new_tokens=max_new_tokens, speculative_k=k,
+                                      eos_token_id=eos_token_id))  # auto may turn into the plain loop
+        jax.block_until_ready(prepared.run(prepared.limited(1)))
+        runs.append(prepared)
     return runs
 
 
-def _seconds(runs, prefill_only: bool = False) -> float:
+def _seconds(runs: list[Prepared], prefill_only: bool = False) -> float:
     start = time.perf_counter()
-    for prepared, run in runs:
-        jax.block_until_ready(run(*(prepared.limited(1) if prefill_only else prepared.args)))
+    for prepared in runs:
+        jax.block_until_ready(prepared.run(prepared.limited(1) if prefill_only else None))
     return time.perf_counter() - start
 
 
@@ -53,10 +47,10 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     any speculative output differs from plain greedy decoding.
     """
     configs = [0, *ks] + (["auto"] if auto and model.config.has_mtp else [])
-    runs = {k: _compiled(model, prompts, k, max_new_tokens, eos_token_id) for k in configs}
     totals, prefill_seconds = {k: [] for k in configs}, {k: [] for k in configs}
     with model.mesh_context():
-        outputs = {k: [unpack(p, jax.block_until_ready(fn(*p.args))) for p, fn in runs[k]] for k in configs}
+        runs = {k: _prepared(model, prompts, k, max_new_tokens, eos_token_id) for k in configs}
+        outputs = {k: [unpack(p, p.run()) for p in runs[k]] for k in configs}
         for _ in range(repeats):
             for k in configs:
                 totals[k].append(_seconds(runs[k]))
@@ -76,7 +70,7 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
 
 def _round_costs(runs) -> list[float] | None:
     """The calibrated round costs of the auto runs (k = 0..AUTO_MAX_K), if auto ran."""
-    return runs["auto"][0][0].costs if "auto" in runs else None
+    return runs["auto"][0].costs if "auto" in runs else None
 
 
 def _row(k, outputs, plain, totals, prefills, prompt_count, costs) -> dict:

@@ -102,6 +102,31 @@ def eos_ids(value, vocab_size: int) -> tuple[int, ...]:
     return (token_id("eos_token_id", value, vocab_size),)
 
 
+def stop_sequences(value, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """stop_token_ids: a list of non-empty token-id lists -> a tuple of tuples."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"stop_token_ids: expected a list of token-id lists, found {type(value).__name__}")
+    out = []
+    for i, seq in enumerate(value):
+        if not isinstance(seq, (list, tuple)):
+            raise TypeError(f"stop_token_ids[{i}]: expected a list of token ids, found {seq!r}; a single id "
+                            "is [[id]] (or an eos_token_id)")
+        if not seq:
+            raise ValueError(f"stop_token_ids[{i}]: empty; a stop sequence needs at least one token")
+        out.append(tuple(token_id(f"stop_token_ids[{i}][{j}]", t, vocab_size) for j, t in enumerate(seq)))
+    return tuple(out)
+
+
+def stop_strings(value) -> tuple[str, ...]:
+    """stop: a list of non-empty strings -> a tuple."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"stop: expected a list of strings, found {value!r}")
+    for i, s in enumerate(value):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop[{i}]: expected a non-empty string, found {s!r}")
+    return tuple(value)
+
+
 def float_dtype(name: str, value):
     """A parameter dtype: float32, bfloat16 or float16 (given as a string or a dtype)."""
     try:

@@ -7,6 +7,7 @@ import contextlib
 import dis
 import math
 import os
+import re
 import time
 
 import jax
@@ -174,6 +175,17 @@ def _prompt_ids(text: str) -> list[list[int]]:
                                          f'by ";", found {text!r}') from None
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def _stop_string(text: str) -> str:
+    """--stop: the text with \\n, \\t, \\r and \\\\ read as the characters they name."""
+    out = re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
+    if not out:
+        raise argparse.ArgumentTypeError("expected a non-empty text")
+    return out
+
+
 def _ks(text: str) -> list[int]:
     """--ks: "1,2,3,4"."""
     try:
@@ -198,7 +210,8 @@ def _mesh(text: str) -> dict[str, int]:
 def _info(args):
     from jaxmtp.cache import bytes_per_token
     from jaxmtp.layout import CHECKPOINT
-    from jaxmtp.model import _forward, _mtp_forward, abstract_params, parameter_counts
+    from jaxmtp.model import apply_forward, apply_mtp_forward
+    from jaxmtp.params import abstract_params, parameter_counts
 
     config = _config(args.config)
     counts = parameter_counts(config)
@@ -213,11 +226,11 @@ def _info(args):
         params = abstract_params(config, jnp.bfloat16)
         tokens = jax.ShapeDtypeStruct((args.batch, args.length), jnp.int32)
         start = time.perf_counter()
-        _forward.lower(config, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, tokens)
+        apply_forward.lower(config, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, tokens)
         mid = time.perf_counter()
         hidden = jax.ShapeDtypeStruct((args.batch, args.length, config.hidden_size), jnp.bfloat16)
         if config.has_mtp:
-            _mtp_forward.lower(config, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, hidden, tokens)
+            apply_mtp_forward.lower(config, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, hidden, tokens)
         end = time.perf_counter()
         print(f"jit(forward).lower on abstract bf16 parameters, batch {args.batch} x {args.length}: {mid - start:.1f} s")
         print(f"jit(mtp_forward).lower: {end - mid:.1f} s")
@@ -238,10 +251,17 @@ def _forward_demo(args):
 def _prompts(args, tokenizer):
     """Prompts as token-id lists: --tokens, else the text prompts through the model's tokenizer."""
     if args.tokens:
+        if getattr(args, "chat", False):
+            raise UsageError("--chat: applies the chat template to text prompts, not to --tokens")
         return args.tokens
     if tokenizer is None:
         raise UsageError(f"--model {args.model}: no tokenizer.json to encode text prompts; pass token ids with "
                          "--tokens 1,2,3")
+    if args.chat:
+        from jaxmtp.chat import chat_prompt
+
+        # The template writes the special tokens (BOS, role markers) itself.
+        return [tokenizer.encode(chat_prompt(args.model, text), add_special_tokens=False).ids for text in args.prompt]
     return [tokenizer.encode(text).ids for text in args.prompt]
 
 
@@ -306,35 +326,63 @@ def _bench(args):
         bench.plot(rows, args.plot)
 
 
+def _generation_config(args, model):
+    """The generation settings: flags over the model directory's generation_config.json over the
+    defaults; --ignore-eos drops every EOS id (else the file's, or the model config's)."""
+    from jaxmtp.generation_config import GenerationConfig
+
+    flags = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+             if getattr(args, name) is not None}
+    config = GenerationConfig.from_pretrained(args.model, speculative_k=args.k, stop=tuple(args.stop),
+                                              stop_token_ids=tuple(map(tuple, args.stop_tokens or ())), **flags)
+    if args.ignore_eos:
+        return config.replace(eos_token_id=None)
+    return config if config.eos_token_id is not None else config.replace(eos_token_id=model.config.eos_token_id)
+
+
 def _generate(args):
-    from jaxmtp.generation import timed_generate
+    from jaxmtp.generation import generate_stream, warm_up
 
     kept = {} if args.matmul is None else {"quantized": "keep", "matmul": args.matmul}
     model = _load(args.model, quiet=args.quiet, **kept)
     tokenizer = _tokenizer(args.model)
+    if args.stop and tokenizer is None:
+        raise UsageError(f"--stop: --model {args.model} has no tokenizer.json to decode the text with")
     prompts = _prompts(args, tokenizer)
-    eos = None if args.ignore_eos else model.config.eos_token_id
-    out, compile_s, (run_s,) = timed_generate(
-        model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, speculative_k=args.k, eos_token_id=eos, seed=args.seed)
-    for prompt, tokens in zip(prompts, out.tokens):
-        if tokenizer is not None:
-            print(tokenizer.decode(prompt) + tokenizer.decode(tokens))
-        else:
-            print(f"{prompt} -> {tokens}")
-        print()
+    config = _generation_config(args, model)
+    compile_s = warm_up(model, prompts, config)
+    for prompt in prompts:
+        stream = generate_stream(model, prompt, config, tokenizer=tokenizer)
+        start, first, shown = time.perf_counter(), None, 0
+        print(tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else f"{prompt} ->", end="", flush=True)
+        for tokens in stream:
+            if tokens and first is None:
+                first = time.perf_counter() - start
+            if tokenizer is None:
+                print("".join(f" {t}" for t in tokens), end="", flush=True)
+            else:  # the text that can no longer change (a stop string's start is held back)
+                text = stream.text(final=False)
+                print(text[shown:], end="", flush=True)
+                shown = len(text)
+        run_s = time.perf_counter() - start
+        print(stream.text()[shown:] if tokenizer else "", end="\n\n", flush=True)
+        _report(stream.output, config, run_s, first, compile_s)
+
+
+def _report(out, config, run_s, first_s, compile_s):
     new = sum(len(t) for t in out.tokens)
     s = out.stats
-    print(f"{new} new tokens in {run_s:.3f} s: {new / run_s:.1f} tokens/s (compile {compile_s:.1f} s, not included)")
-    if args.k:
-        per_position = ", ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
-        by_k = ", ".join(f"k={k}: {n}" for k, n in s["rounds_by_k"].items())
-        print(f"k={args.k}: acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
-              f"{s['mean_accepted_length']:.2f}, per position [{per_position}]; rounds {by_k}")
-        if "round_costs" in s:
-            print("round cost in plain steps at k = 0..: " + " ".join(f"{c:.2f}" for c in s["round_costs"]))
-    print(f"main forward passes {s['main_forward_passes']} (incl. prefill), drafts {s['draft_tokens']}, "
-          f"accepted {s['accepted_tokens']}")
+    print(f"{new} new tokens in {run_s:.3f} s: {new / run_s:.1f} tokens/s, the first after {1000 * first_s:.0f} ms "
+          f"(compile {compile_s:.1f} s, not included)")
+    if config.speculative_k:
+        per_position = ", ".join(f"{a:.2f}" for a in s.per_position_acceptance)
+        by_k = ", ".join(f"k={k}: {n}" for k, n in s.rounds_by_k.items())
+        print(f"k={config.speculative_k}: acceptance rate {s.acceptance_rate:.3f}, mean accepted length "
+              f"{s.mean_accepted_length:.2f}, per position [{per_position}]; rounds {by_k}")
+        if s.round_costs is not None:
+            print("round cost in plain steps at k = 0..: " + " ".join(f"{c:.2f}" for c in s.round_costs))
+    print(f"main forward passes {s.main_forward_passes} (incl. prefill), drafts {s.draft_tokens}, "
+          f"accepted {s.accepted_tokens}")
 
 
 def _plan(args):
@@ -432,10 +480,11 @@ def _convert(args):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except None: those options' help says what leaving them out does."""
+    """Shows each option's default, except None and []: those options' help says what leaving them
+    out does."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        return action.help if action.default in (None, []) else super()._get_help_string(action)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -470,13 +519,23 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--k", type=_k_value, default="auto",
                      help=f'MTP drafts per round, 0..{MAX_SPECULATIVE_K}; 0 = plain decoding; "auto": chosen as it '
                           "goes, from the measured cost of a round at each k on this machine and the acceptance so far")
-    gen.add_argument("--max-new-tokens", type=_positive, default=64, help="new tokens per prompt, at most")
-    gen.add_argument("--temperature", type=_temperature, default=0.0, help="sampling temperature; 0 = greedy")
-    gen.add_argument("--top-k", type=_non_negative, default=0, help="sample from the k likeliest tokens; 0 = all")
-    gen.add_argument("--top-p", type=_top_p, default=1.0,
-                     help="sample from the smallest set of tokens with this much probability; 1 = all")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos_token_id")
+    defaults = "; default: the model's generation_config.json, else "
+    gen.add_argument("--max-new-tokens", type=_positive, help="new tokens per prompt, at most" + defaults + "64")
+    gen.add_argument("--temperature", type=_temperature, help="sampling temperature; 0 = greedy" + defaults + "0")
+    gen.add_argument("--top-k", type=_non_negative, help="sample from the k likeliest tokens; 0 = all" + defaults + "0")
+    gen.add_argument("--top-p", type=_top_p,
+                     help="sample from the smallest set of tokens with this much probability; 1 = all" + defaults + "1")
+    gen.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    gen.add_argument("--stop", action="append", type=_stop_string, default=[],
+                     help='end a completion at this text (not printed); repeatable; "\\n" and "\\t" are newline '
+                          "and tab")
+    gen.add_argument("--stop-tokens", type=_prompt_ids,
+                     help='end a completion after these token sequences: "1,2;3" (the sequence 1 2, or 3)')
+    gen.add_argument("--chat", action="store_true",
+                     help="each prompt is a user message, written with the model's chat template "
+                          "(tokenizer_config.json)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at the EOS ids (generation_config.json's, else the config's)")
     gen.add_argument("--matmul", choices=("fp8", "dequant"),
                      help="FP8 checkpoints: keep the weights in FP8 and multiply them with the W8A8 kernels (fp8) "
                           "or dequantize them on the fly (dequant); without it, dequantize at load")

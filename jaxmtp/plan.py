@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
 from jaxmtp.config import ModelConfig
-from jaxmtp.generation import Static, _generate, bucket
+from jaxmtp.decoding import Inputs, Static, advance, start
+from jaxmtp.generation import ALL_STEPS, bucket
 from jaxmtp.layout import decode_layout
-from jaxmtp.model import abstract_params
+from jaxmtp.params import abstract_params, param_shardings
 from jaxmtp.quant import QuantizedWeight, with_matmul
 from jaxmtp.sampling import SamplingMode, SamplingParams
-from jaxmtp.sharding import batch_sharding, make_mesh, param_shardings, replicated
+from jaxmtp.sharding import batch_sharding, make_mesh, replicated
 
 DEVICES = {"H200 (141 GB)": 141e9, "H100 (80 GB)": 80e9, "TPU v5p (95 GB)": 95e9, "TPU v6e (32 GB)": 32e9}
 
@@ -30,7 +32,7 @@ def _per_device_bytes(array: jax.ShapeDtypeStruct) -> int:
 
 def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_len: int, k: int, dtype,
                     matmul: str = "dequant"):
-    """(Static, abstract arguments of `_generate`) for greedy generation on `mesh`, with the
+    """(Static, (abstract parameters, abstract `Inputs`)) for greedy generation on `mesh`, with the
     parameters in the layout `generate` decodes in (jaxmtp.layout.decode_layout); FP8 weights
     (kept when the config is quantized) multiplied by `matmul`."""
     keep = config.quantization is not None
@@ -43,13 +45,22 @@ def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_
     rows = batch_sharding(mesh, 1) if batch % mesh.shape["data"] == 0 else replicated(mesh)
     matrix = batch_sharding(mesh, 2) if batch % mesh.shape["data"] == 0 else replicated(mesh)
     scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated(mesh))  # noqa: E731
-    args = (params, jax.ShapeDtypeStruct((batch, width), jnp.int32, sharding=matrix),
-            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows), jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows),
-            scalar(jnp.int32), SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32)),
-            jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh)),
-            jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rows),
-            jax.ShapeDtypeStruct((k + 1,), jnp.float32, sharding=replicated(mesh)), scalar(jnp.int32))
-    return static, args
+    per_row = lambda dt: jax.ShapeDtypeStruct((batch,), dt, sharding=rows)  # noqa: E731
+    inputs = Inputs(prompt=jax.ShapeDtypeStruct((batch, width), jnp.int32, sharding=matrix), lengths=per_row(jnp.int32),
+                    limits=per_row(jnp.int32), real=per_row(jnp.bool_),
+                    stops=jax.ShapeDtypeStruct((4, 1), jnp.int32, sharding=replicated(mesh)),
+                    sampling=SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32)),
+                    key=jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh)),
+                    costs=jax.ShapeDtypeStruct((k + 1,), jnp.float32, sharding=replicated(mesh)),
+                    force_k=scalar(jnp.int32))
+    return static, (params, inputs)
+
+
+@partial(jax.jit, static_argnums=0)
+def _generation(static: Static, params, inputs: Inputs):
+    """The prefill and every round in one program, as a device holds them for the memory figures."""
+    state = start(static, params, inputs)
+    return advance(static, params, state, inputs, jnp.int32(ALL_STEPS), jnp.zeros_like(inputs.real))[0]
 
 
 def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, max_len: int, prompt_len: int,
@@ -66,11 +77,11 @@ def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, m
     cache_bytes = layers * rows_per_device * static.cache_len * config.cache_width * jnp.dtype(dtype).itemsize
     start = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = _generate.lower(static, *args).compile()
+        compiled = _generation.lower(static, *args).compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     return {"devices": data * expert * tensor, "mesh": {"data": data, "expert": expert, "tensor": tensor},
-            "batch": batch, "cache_len": static.cache_len, "prompt_len": args[1].shape[1], "k": k, "matmul": matmul,
+            "batch": batch, "cache_len": static.cache_len, "prompt_len": args[1].prompt.shape[1], "k": k, "matmul": matmul,
             "parameter_bytes_per_device": int(param_bytes), "fp8_weights": int(fp8),
             "cache_bytes_per_device": int(cache_bytes),
             "xla_argument_bytes": int(memory.argument_size_in_bytes), "xla_output_bytes": int(memory.output_size_in_bytes),

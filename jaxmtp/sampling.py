@@ -73,3 +73,11 @@ def choose(key: jax.Array, logits: jax.Array, mode: SamplingMode, params: Sampli
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     probs = probabilities(logits, mode, params)
     return draw(key, probs), probs
+
+
+def log_probabilities(logits: jax.Array, mode: SamplingMode, params: SamplingParams) -> jax.Array:
+    """logits [..., V] -> the log of the distribution tokens are chosen from [..., V] float32: the
+    sampling distribution, or when greedy the model's own softmax (temperature 1)."""
+    if mode.greedy:
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.log(probabilities(logits, mode, params))

@@ -1,6 +1,6 @@
 """Meshes and the one table that maps logical axis names to mesh axes.
 
-Every parameter carries logical axis names (see `jaxmtp.model.logical_axes`); RULES turns them
+Every parameter carries logical axis names (see `jaxmtp.params.logical_axes`); RULES turns them
 into mesh axes: batch over `data`, attention heads / MLP and expert intermediates / vocabulary over
 `tensor`, routed experts over `expert`. Everything else (model width, latent ranks, the layer
 stacking axis, norms, the router, whose weights every token needs) is replicated.
@@ -12,9 +12,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmtp.config import ModelConfig
-from jaxmtp.layout import CHECKPOINT, Layout
-from jaxmtp.quant import QuantizedWeight
 
 AXES = ("data", "expert", "tensor")
 RULES = (
@@ -46,23 +43,6 @@ def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) ->
         axis = rules.get(name)
         out.append(axis if axis is not None and size % mesh.shape[axis] == 0 else None)
     return PartitionSpec(*out)
-
-
-def param_shardings(config: ModelConfig, params, mesh: Mesh, layout: Layout = CHECKPOINT):
-    """NamedSharding for every leaf of `params` (abstract or real, in `layout`, default the
-    checkpoint's; QuantizedWeight leaves get one for the values and one for the block scales, cut
-    along the same axes where they divide)."""
-    from jaxmtp.model import logical_axes
-
-    axes = logical_axes(config, layout)
-
-    def one(logical, leaf):
-        if isinstance(leaf, QuantizedWeight):
-            return leaf.replace(value=NamedSharding(mesh, spec(tuple(logical), leaf.value.shape, mesh)),
-                                scale=NamedSharding(mesh, spec(tuple(logical), leaf.scale.shape, mesh)))
-        return NamedSharding(mesh, spec(tuple(logical), leaf.shape, mesh))
-
-    return jax.tree.map(one, axes, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

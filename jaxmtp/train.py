@@ -25,7 +25,8 @@ import optax
 from tqdm.auto import tqdm
 
 from jaxmtp.data import windows
-from jaxmtp.model import Model, module, positions_for
+from jaxmtp.model import Model
+from jaxmtp.params import module, positions_for
 from jaxmtp.transformer import DeepseekV3
 
 BIAS = "e_score_correction_bias"

@@ -10,6 +10,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 sys.path.insert(0, os.path.dirname(__file__))  # the HF reference helpers
 # Round-cost calibrations (speculative_k="auto") go to a directory of this run, not the user's cache.
 os.environ["JAXMTP_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmtp-test-cache-")
+# No persistent compilation cache unless a test turns it on: the suite compiles everything once.
+os.environ["JAXMTP_COMPILE_CACHE"] = "0"
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 

@@ -79,3 +79,17 @@ def model(kind: str, config: jaxmtp.ModelConfig = TINY, seed: int = 0, head_scal
     params["lm_head"] = {"weight": head_scale * _cycle_head(params, config, rng)}
     params["mtp"] = mtp
     return jaxmtp.Model(config, jax.tree.map(jax.numpy.asarray, params))
+
+
+def byte_tokenizer(path, text: str = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"):
+    """A byte-level BPE tokenizer of 300 ids (within TINY's vocabulary) trained on `text`, saved to
+    path (a tokenizer.json) and returned."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text] * 4, trainer)
+    tokenizer.save(str(path))
+    return tokenizer

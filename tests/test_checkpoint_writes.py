@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 import jaxmtp
 from jaxmtp.checkpoint import convert
-from jaxmtp.model import abstract_params
+from jaxmtp.params import abstract_params
 
 # The module, which the package's save function shadows as an attribute.
 save_module = importlib.import_module("jaxmtp.checkpoint.save")

@@ -188,7 +188,8 @@ def test_help_shows_the_values_used(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert "(default: auto)" in text and "(default: 64)" in text and "(default: None)" not in text
+    assert "(default: auto)" in text and "generation_config.json, else 64" in text
+    assert "(default: None)" not in text and "(default: [])" not in text
 
 
 def test_configs_are_found_by_name_from_another_directory(capsys, monkeypatch, tmp_path):

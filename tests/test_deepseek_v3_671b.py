@@ -5,7 +5,8 @@ import jax.numpy as jnp
 
 import jaxmtp
 from jaxmtp.layout import CHECKPOINT
-from jaxmtp.model import _forward, _mtp_forward, abstract_params, parameter_counts
+from jaxmtp.model import apply_forward, apply_mtp_forward
+from jaxmtp.params import abstract_params, parameter_counts
 
 V3 = jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v3_671b.json")
 
@@ -35,11 +36,11 @@ def test_forward_and_mtp_lower_from_abstract_parameters():
     params = abstract_params(V3, jnp.bfloat16)
     assert params["moe_layers"]["layers"]["mlp"]["experts"]["gate_proj"].shape == (58, 256, 2048, 7168)
     tokens = jax.ShapeDtypeStruct((1, 64), jnp.int32)
-    lowered = _forward.lower(V3, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, tokens)
+    lowered = apply_forward.lower(V3, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, tokens)
     logits, hidden = lowered.out_info
     assert logits.shape == (1, 64, 129280) and hidden.shape == (1, 64, 7168)
     hidden_in = jax.ShapeDtypeStruct((1, 64, 7168), jnp.bfloat16)
-    mtp_logits = _mtp_forward.lower(V3, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, hidden_in, tokens).out_info
+    mtp_logits = apply_mtp_forward.lower(V3, jnp.dtype(jnp.bfloat16), CHECKPOINT, params, hidden_in, tokens).out_info
     assert mtp_logits.shape == (1, 64, 129280)
 
 

@@ -89,7 +89,8 @@ def test_quantize_follows_the_spec_formula():
 
 def test_fp8_kernels_run_expert_parallel_on_a_mesh(models):
     """The grouped FP8 kernel inside the expert-parallel shard_map: same logits as one device."""
-    from jaxmtp.sharding import make_mesh, param_shardings, place
+    from jaxmtp.sharding import make_mesh, place
+    from jaxmtp.params import param_shardings
 
     fp8, _, prompts = models
     mesh = make_mesh(data=2, expert=4)

@@ -9,7 +9,8 @@ from safetensors import safe_open
 
 import generation_models as gm
 import jaxmtp
-from jaxmtp.sharding import make_mesh, param_shardings, place, shard_shapes
+from jaxmtp.sharding import make_mesh, place, shard_shapes
+from jaxmtp.params import param_shardings
 
 # Every sharded dimension divisible by 8: 8 heads, 8 experts, MLPs 128 / 32, vocab 512.
 CONFIG = gm.TINY.replace(num_attention_heads=8)
@@ -156,6 +157,6 @@ def test_plan_compiles_speculative_generation_for_an_emulated_mesh():
     figures = plan(config, data=2, expert=2, tensor=2, batch=4, max_len=128, prompt_len=16, k=2)
     layers = config.num_hidden_layers + config.num_nextn_predict_layers
     assert figures["cache_bytes_per_device"] == layers * 2 * 128 * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
-    counts = jaxmtp.model.parameter_counts(config)
+    counts = jaxmtp.params.parameter_counts(config)
     total = 2 * (counts["main"] + counts["mtp_unique"])  # bf16
     assert total / 8 <= figures["parameter_bytes_per_device"] <= total  # at least an even share of 8 devices

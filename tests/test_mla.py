@@ -8,7 +8,7 @@ import pytest
 import jaxmtp
 from jaxmtp.cache import MLACache, bytes_per_token
 from jaxmtp.mla import MLA
-from jaxmtp.model import module
+from jaxmtp.params import module
 
 CONFIG = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json")
 

@@ -7,7 +7,7 @@ from transformers import DeepseekV3ForCausalLM
 
 import hf_reference as ref
 import jaxmtp
-from jaxmtp.model import abstract_params
+from jaxmtp.params import abstract_params
 
 
 def _assert_bit_exact(a, b):

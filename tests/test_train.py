@@ -9,7 +9,7 @@ import pytest
 
 import jaxmtp
 from jaxmtp import data
-from jaxmtp.model import module, positions_for
+from jaxmtp.params import module, positions_for
 from jaxmtp.train import TrainConfig, chained_distillation, distillation, forward_losses, train, update_biases
 from jaxmtp.transformer import DeepseekV3
 

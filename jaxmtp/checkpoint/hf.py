@@ -22,11 +22,12 @@ from tqdm.auto import tqdm
 
 from jaxmtp import checks
 from jaxmtp.checkpoint import diagnose, official
-from jaxmtp.checkpoint.names import expected_tensors, hf_name, mtp_copy_names
+from jaxmtp.checkpoint.names import expected_tensors, hf_name, leaf_at, mtp_copy_names
 from jaxmtp.checkpoint.sharded import TensorFiles, load_onto_mesh
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import CheckpointError, ConfigError
-from jaxmtp.model import Model, abstract_params
+from jaxmtp.model import Model
+from jaxmtp.params import abstract_params
 from jaxmtp.quant import dequantize
 
 # safetensors' numpy backend looks FP8 dtypes up on the numpy module; ml_dtypes provides them.
@@ -127,17 +128,18 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
             placer.place(name, path, index, role, value)
     _check_missing(directory, expected, placer.seen)
     for name, value in copy_values.items():
-        _check_copy(name, copies[name], value, _leaf(buffers, copies[name]))
+        _check_copy(name, copies[name], value, leaf_at(buffers, copies[name]))
     if mesh is None:
         return Model(config, _to_device(buffers))
-    from jaxmtp.sharding import param_shardings, place
+    from jaxmtp.sharding import place
+    from jaxmtp.params import param_shardings
 
     return Model(config, place(buffers, param_shardings(config, target, mesh)), mesh)
 
 
 def _load_onto_mesh(files, target, expected, copies, config, keep, check_finite, quiet, mesh, skipped):
     """Checks every header, then reads each device's block of each parameter on its own."""
-    from jaxmtp.sharding import param_shardings
+    from jaxmtp.params import param_shardings
 
     with contextlib.ExitStack() as stack:
         tensors = TensorFiles(files, stack)
@@ -162,7 +164,7 @@ class _Placer:
 
     def place(self, name, path, index, role, value):
         self.seen.add(name)
-        leaf = _leaf(self.buffers, path)
+        leaf = leaf_at(self.buffers, path)
         if role == "dense":
             leaf[index] = value
         elif self.keep:
@@ -253,8 +255,3 @@ def _to_device(buffers):
             lambda x: jax.device_put(x, may_alias=True), leaf)
     return out
 
-
-def _leaf(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree

@@ -77,3 +77,10 @@ def _flatten(tree, prefix=()):
             yield from _flatten(value, prefix + (key,))
         else:
             yield prefix + (key,), value
+
+
+def leaf_at(tree, path: tuple[str, ...]):
+    """tree[path[0]][path[1]]..."""
+    for key in path:
+        tree = tree[key]
+    return tree

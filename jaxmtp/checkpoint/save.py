@@ -18,11 +18,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from safetensors.numpy import save_file
 
-from jaxmtp.checkpoint.hf import INDEX_FILE, _leaf
-from jaxmtp.checkpoint.names import expected_tensors
+from jaxmtp.checkpoint.hf import INDEX_FILE
+from jaxmtp.checkpoint.names import expected_tensors, leaf_at
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import CheckpointError
-from jaxmtp.model import Model, abstract_params
+from jaxmtp.model import Model
+from jaxmtp.params import abstract_params
 from jaxmtp.quant import QuantizedWeight, is_quantized
 
 ORBAX_META = "jaxmtp_orbax.json"
@@ -43,7 +44,7 @@ def save_hf(model, path: str, max_shard_bytes: int = 4 << 30):
         json.dump(raw, f, indent=2)
     shards, current, size = [], {}, 0
     for name, tensor_path, index, _, role in expected_tensors(model.params, config):
-        leaf = _leaf(model.params, tensor_path)
+        leaf = leaf_at(model.params, tensor_path)
         array = leaf if role == "dense" else (leaf.value if role == "fp8" else leaf.scale)
         value = np.asarray(array[index])
         if current and size + value.nbytes > max_shard_bytes:
@@ -202,7 +203,7 @@ def load_orbax(path: str, dtype=None, quantized: str = "dequantize", mesh=None):
     dtype = jnp.dtype(dtype or meta["dtype"])
     target = abstract_params(config, dtype, keep_fp8=meta["quantized"])
     if mesh is not None:
-        from jaxmtp.sharding import param_shardings
+        from jaxmtp.params import param_shardings
 
         target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target,
                               param_shardings(config, target, mesh))

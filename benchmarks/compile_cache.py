@@ -1,0 +1,46 @@
+"""What the persistent compilation cache saves: the README demo command in fresh processes.
+
+Runs `jaxmtp generate "def fibonacci(n):"` (speculative_k="auto" with the demo model) in a new
+process each time, with an empty cache directory first (as on a new machine: compiling, and the
+round-cost calibration that auto needs) and then --warm more times with the cache it left; also
+once with JAXMTP_COMPILE_CACHE=0 (the calibration kept). Prints each process's wall time and the
+median warm / cold ratio.
+
+    python benchmarks/compile_cache.py [--warm 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+COMMAND = ["jaxmtp", "generate", "def fibonacci(n):", "--quiet"]
+
+
+def seconds(env: dict) -> float:
+    start = time.perf_counter()
+    subprocess.run(COMMAND, env=env, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--warm", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "JAXMTP_CACHE_DIR": cache}
+        env.pop("JAXMTP_COMPILE_CACHE", None)
+        cold = seconds(env)
+        warm = [seconds(env) for _ in range(args.warm)]
+        off = seconds({**env, "JAXMTP_COMPILE_CACHE": "0"})
+        files = len(os.listdir(os.path.join(cache, "xla")))
+    print(f"{' '.join(COMMAND)}: cold {cold:.1f} s (empty cache), warm {', '.join(f'{w:.1f}' for w in warm)} s "
+          f"({files} programs cached), cache off {off:.1f} s; warm / cold = {statistics.median(warm) / cold:.2f}")
+
+
+if __name__ == "__main__":
+    main()

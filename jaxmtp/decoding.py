@@ -1,0 +1,338 @@
+"""The traced generation loop: the prefill, then every decode round inside one jitted `lax.while_loop`.
+
+Plain decoding is the k = 0 case of the speculative round: feed t_n, choose the next token. With
+k > 0 each round drafts d1..dk with the MTP layer, verifies [t_n, d1..dk] in one main forward,
+commits the accepted drafts plus one token, and repairs the MTP cache with the main model's hidden
+states (spec section 10). Rows advance independently: every row has its own position n (the
+position of its newest token t_n, not yet fed to the model), and the caches are addressed by
+absolute position, so a rejected draft is rolled back by simply not advancing past it.
+
+Everything here is traced; `jaxmtp.generation` pads the batch into `Inputs`, runs `start` (the
+prefill) and `advance` (rounds, all of them or a chunk at a time for streaming) and unpacks the
+`DecodeState`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from functools import partial
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.adaptive import AcceptanceCounts, best_k
+from jaxmtp.cache import MLACache
+from jaxmtp.config import ModelConfig
+from jaxmtp.layout import Layout
+from jaxmtp.params import module
+from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities
+from jaxmtp.speculative import verify_greedy, verify_sampled
+from jaxmtp.transformer import DeepseekV3
+
+AUTO_SEGMENT = 8  # speculative_k="auto" chooses k once every this many rounds
+# Entries of the stop-sequence table: ANY pads a sequence on the left (matches every token), NEVER
+# fills the table's unused rows (matches no token).
+ANY, NEVER = -1, -2
+# How often the loop was traced, by its static signature: a trace counter that tests use to check
+# one compile per shape bucket, k and sampling mode.
+TRACES: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Everything the compiled loop is specialised on. k: the drafts per round, or with `auto` the
+    most that a round may draft (each round then chooses its own k in 0..k). logprobs: the loop
+    keeps the log-probability of each emitted token."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+    k: int
+    mode: SamplingMode
+    cache_len: int
+    layout: Layout
+    auto: bool = False
+    logprobs: bool = False
+
+
+@flax.struct.dataclass
+class Inputs:
+    """The traced arguments besides the parameters. B rows (padded), P prompt slots.
+
+    prompt [B, P] (right-padded); lengths [B]; limits [B] (max new tokens); real [B] (False for
+    batch padding rows); stops [N, L]: token sequences that end a row, right-aligned, left-padded
+    with ANY, unused rows NEVER (EOS ids are sequences of one); sampling values; key; costs
+    [k + 1]: round costs in plain steps and force_k: -1 or the k every round takes (auto only).
+    """
+
+    prompt: jax.Array
+    lengths: jax.Array
+    limits: jax.Array
+    real: jax.Array
+    stops: jax.Array
+    sampling: SamplingParams
+    key: jax.Array
+    costs: jax.Array
+    force_k: jax.Array
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """The while-loop carry. B rows, S = cache length, W = S + k + 1 token slots.
+
+    seq [B, W]: tokens by position (prompt, then generated); logprobs [B, W] (or None): the
+    log-probability of each generated token at its position; n [B]: position of t_n; count [B]:
+    new tokens so far; done [B]. draft/draft_hidden/draft_probs: d1 for the next round, the MTP
+    hidden state at its slot [B, D] and its distribution [B, V] (sampling only). Stats per row:
+    rounds, drafted, accepted, accepted_at [B, k] (rounds in which draft i was accepted), rounds_at
+    [B, k + 1] (rounds run at each k); steps: main forward passes of the batch. counts: the
+    batch's acceptance by draft position, which `speculative_k="auto"` chooses k from.
+    """
+
+    seq: jax.Array
+    logprobs: jax.Array | None
+    n: jax.Array
+    count: jax.Array
+    done: jax.Array
+    caches: dict
+    mtp_cache: MLACache | None
+    draft: jax.Array
+    draft_hidden: jax.Array | None
+    draft_probs: jax.Array | None
+    key: jax.Array
+    rounds: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    accepted_at: jax.Array
+    rounds_at: jax.Array
+    counts: AcceptanceCounts
+    steps: jax.Array
+
+
+def _apply(static: Static, params, *args, absorbed: bool = True, method):
+    return module(static.config, static.dtype, absorbed, static.layout).apply({"params": params}, *args, method=method)
+
+
+def main_forward(static, params, tokens, positions, caches, absorbed):
+    """-> (logits [B, T, V] f32, post-norm hidden [B, T, D], caches)."""
+    return _apply(static, params, tokens, positions, caches, absorbed=absorbed, method=DeepseekV3.__call__)
+
+
+def _main_hidden(static, params, tokens, positions, caches, absorbed):
+    """The main model without its head -> (post-norm hidden [B, T, D], caches)."""
+    return _apply(static, params, tokens, positions, caches, absorbed=absorbed, method=DeepseekV3.hidden_states)
+
+
+def _head(static, params, hidden):
+    """hidden [B, D] -> logits [B, V] f32, for the one row per batch row that a choice needs."""
+    return _apply(static, params, hidden[:, None], method=DeepseekV3.logits)[:, 0]
+
+
+def mtp_step(static, params, hidden, next_tokens, positions, cache, absorbed):
+    """-> (logits [B, T, V] f32, MTP hidden [B, T, D], cache)."""
+    return _apply(static, params, hidden, next_tokens, positions, cache, absorbed=absorbed,
+                  method=DeepseekV3.mtp_step)
+
+
+def _mtp_hidden(static, params, hidden, next_tokens, positions, cache, absorbed):
+    """The MTP module without the head -> (MTP hidden [B, T, D], cache)."""
+    return _apply(static, params, hidden, next_tokens, positions, cache, absorbed=absorbed,
+                  method=DeepseekV3.mtp_hidden)
+
+
+def empty_caches(static: Static, batch: int):
+    """The main stacks' caches: stacked [L, B, S, .] per group, or per-layer tuples when unrolled."""
+    c = static.config
+    groups = {"dense": c.num_dense_layers, "moe": c.num_moe_layers}
+    if static.layout.unrolled:
+        return {g: tuple(_rows_over_data(MLACache.zeros(c, None, batch, static.cache_len, static.dtype), batch_axis=0)
+                         for _ in range(n)) for g, n in groups.items() if n}
+    return {g: _rows_over_data(MLACache.zeros(c, n, batch, static.cache_len, static.dtype), batch_axis=1)
+            for g, n in groups.items() if n}
+
+
+def _rows_over_data(cache: MLACache, batch_axis: int) -> MLACache:
+    """On a mesh (`jax.set_mesh`) whose data axis divides the batch, split the cache's rows over it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    data = 0 if mesh.empty else mesh.shape.get("data", 1)
+    if data <= 1 or cache.c_kv.shape[batch_axis] % data:
+        return cache
+    spec = jax.sharding.PartitionSpec(*([None] * batch_axis), "data")
+    return jax.lax.with_sharding_constraint(cache, spec)
+
+
+def _row_gather(x, index):
+    """x [B, T, ...], index [B] -> x[b, index[b]] [B, ...]."""
+    return jnp.take_along_axis(x, index.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+
+def _stopping(seq, n, count, width, stops):
+    """Which of a round's `width` new tokens (at positions n+1..n+width of seq [B, W], already
+    written there) complete a stop sequence -> [B, width] bool. A match lies wholly within the
+    generated tokens (those from position n - count + 1 on); stops [N, L] as in `Inputs`."""
+    length = stops.shape[1]
+    ends = n[:, None] + 1 + jnp.arange(width)  # [B, T]
+    at = ends[..., None] - (length - 1) + jnp.arange(length)  # [B, T, L]: each match window
+    window = jnp.take_along_axis(seq, jnp.maximum(at, 0).reshape(seq.shape[0], -1), axis=1).reshape(at.shape)
+    generated = at >= (n - count + 1)[:, None, None]
+    same = (window[:, :, None] == stops) & generated[:, :, None]  # [B, T, N, L]
+    return ((stops == ANY) | same).all(axis=-1).any(axis=-1)
+
+
+def _finish(seq, n, count, new_tokens, produced, limits, stops):
+    """How many of a row's `produced` new tokens [B, T] (written to seq at positions n+1..n+T) to
+    keep, and whether the row is now done: cut at max_new_tokens and just after the first token
+    that completes a stop sequence."""
+    slot = jnp.arange(new_tokens.shape[1])
+    stop = _stopping(seq, n, count, new_tokens.shape[1], stops) & (slot < produced[:, None])
+    first_stop = jnp.where(stop.any(axis=1), jnp.argmax(stop, axis=1) + 1, produced)
+    kept = jnp.minimum(jnp.minimum(produced, first_stop), limits - count)
+    return kept, stop.any(axis=1) | (count + kept >= limits)
+
+
+def _token_logprobs(static: Static, logits, tokens, sampling):
+    """logits [B, T, V], tokens [B, T] -> [B, T]: each token's log-probability under the
+    distribution it was chosen from (the raw softmax when greedy)."""
+    logp = log_probabilities(logits, static.mode, sampling)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
+    """Main forward over the prompts, the first token, and (k > 0) the MTP first pass -> d1."""
+    prompt, lengths, sampling = inputs.prompt, inputs.lengths, inputs.sampling
+    batch, width = prompt.shape
+    rows = jnp.arange(batch)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), prompt.shape)
+    hidden, caches = _main_hidden(static, params, prompt, positions, empty_caches(static, batch), absorbed=False)
+    last = lengths - 1
+    key, token_key, draft_key = jax.random.split(inputs.key, 3)
+    logits = _head(static, params, _row_gather(hidden, last))
+    first, _ = choose(token_key, logits, static.mode, sampling)
+    seq = jnp.zeros((batch, static.cache_len + static.k + 1), jnp.int32).at[:, :width].set(prompt)
+    seq = seq.at[rows, lengths].set(first)
+    zeros = jnp.zeros_like(lengths)
+    kept, done = _finish(seq, last, zeros, first[:, None], jnp.ones_like(lengths), inputs.limits, inputs.stops)
+    kept, done = kept * inputs.real, done | ~inputs.real
+    logprobs = None
+    if static.logprobs:
+        first_logprob = _token_logprobs(static, logits[:, None], first[:, None], sampling)[:, 0]
+        logprobs = jnp.zeros(seq.shape, jnp.float32).at[rows, lengths].set(first_logprob)
+    state = DecodeState(seq=seq, logprobs=logprobs, n=lengths, count=kept, done=done, caches=caches, mtp_cache=None,
+                        draft=zeros, draft_hidden=None, draft_probs=None, key=key, rounds=zeros, drafted=zeros,
+                        accepted=zeros, accepted_at=jnp.zeros((batch, static.k), jnp.int32),
+                        rounds_at=jnp.zeros((batch, static.k + 1), jnp.int32),
+                        counts=AcceptanceCounts.zeros(static.k), steps=jnp.ones((), jnp.int32))
+    if static.k == 0:
+        return state
+    # MTP slot p pairs h_p with t_{p+1}; the slot of the last prompt token pairs it with `first`.
+    mtp_cache = _rows_over_data(MLACache.zeros(static.config, None, batch, static.cache_len, static.dtype), 0)
+    z, mtp_cache = _mtp_hidden(static, params, hidden, seq[:, 1:width + 1], positions, mtp_cache, absorbed=False)
+    z = _row_gather(z, last)
+    draft, draft_probs = choose(draft_key, _head(static, params, z), static.mode, sampling)
+    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=z, draft_probs=draft_probs)
+
+
+def _draft_rest(static, k, params, state: DecodeState, sampling, key):
+    """d2..dk: the MTP layer re-run on its own output hidden state, one position further each time.
+    Unrolled (k <= 8): on CPU a `lax.scan` here costs more than the MTP steps themselves.
+
+    Returns (drafts [B, k], their distributions [B, k, V] or None, MTP cache)."""
+    token, hidden, cache = state.draft, state.draft_hidden, state.mtp_cache
+    tokens, probs = [token], [state.draft_probs]
+    for j, step_key in enumerate(jax.random.split(key, k - 1)):
+        position = state.n + j  # d_{j+2} comes from MTP slot n + j
+        logits, z, cache = mtp_step(static, params, hidden[:, None], token[:, None], position[:, None], cache,
+                                    absorbed=True)
+        token, p = choose(step_key, logits[:, 0], static.mode, sampling)
+        hidden = z[:, 0]
+        tokens.append(token)
+        probs.append(p)
+    drafts = jnp.stack(tokens, axis=1)
+    return drafts, (None if static.mode.greedy else jnp.stack(probs, axis=1)), cache
+
+
+def decode_round(static: Static, k: int, params, state: DecodeState, inputs: Inputs) -> DecodeState:
+    """One round for every row at k <= static.k: draft (k > 0), verify in one main forward, accept,
+    commit, repair. A round at k = 0 leaves the MTP state as it is."""
+    batch, sampling = state.n.shape[0], inputs.sampling
+    key, draft_key, verify_key, next_key = jax.random.split(state.key, 4)
+    t_n = _row_gather(state.seq, state.n)
+    if k:
+        drafts, draft_probs, mtp_cache = _draft_rest(static, k, params, state, sampling, draft_key)
+    else:
+        vocab = static.config.vocab_size
+        drafts, draft_probs, mtp_cache = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, vocab)), state.mtp_cache
+    tokens = jnp.concatenate([t_n[:, None], drafts], axis=1)  # [B, k+1]
+    positions = state.n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    logits, hidden, caches = main_forward(static, params, tokens, positions, state.caches, absorbed=True)
+    if static.mode.greedy:
+        accepted, after = verify_greedy(drafts, logits)
+    else:
+        accepted, after = verify_sampled(verify_key, drafts, draft_probs, logits, static.mode, sampling)
+    slot = jnp.arange(k + 1)
+    new_tokens = jnp.where(slot < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), after[:, None])
+    # All k + 1 slots are written; those past what a row keeps are overwritten before they are read.
+    rows = jnp.arange(batch)[:, None]
+    seq = state.seq.at[rows, positions + 1].set(new_tokens, mode="drop")
+    active = ~state.done
+    kept, finished = _finish(seq, state.n, state.count, new_tokens, accepted + 1, inputs.limits, inputs.stops)
+    kept, done = kept * active, state.done | finished
+    logprobs = state.logprobs
+    if static.logprobs:
+        logprobs = logprobs.at[rows, positions + 1].set(_token_logprobs(static, logits, new_tokens, sampling),
+                                                        mode="drop")
+    state = state.replace(
+        seq=seq, logprobs=logprobs, n=state.n + kept, count=state.count + kept, done=done, caches=caches, key=key,
+        rounds=state.rounds + active, drafted=state.drafted + k * active,
+        accepted=state.accepted + accepted * active,
+        accepted_at=state.accepted_at + (jnp.arange(static.k) < accepted[:, None]) * active[:, None],
+        rounds_at=state.rounds_at.at[:, k].add(active), counts=state.counts.update(k, accepted, active),
+        steps=state.steps + 1)
+    if k == 0:
+        return state
+    # Repair: MTP slots n..n+k from the verified hidden states; slot n+a yields the next d1 (the
+    # head runs for that slot only).
+    z, mtp_cache = _mtp_hidden(static, params, hidden, new_tokens, positions, mtp_cache, absorbed=True)
+    z = _row_gather(z, accepted)
+    draft, probs = choose(next_key, _head(static, params, z), static.mode, sampling)
+    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=z, draft_probs=probs)
+
+
+def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> DecodeState:
+    """The next round at static.k; or with `auto` the next AUTO_SEGMENT rounds (fewer once every
+    row is done) at the k that `adaptive.best_k` (or force_k >= 0) says, one branch per k of a
+    lax.switch: choosing once per segment spreads the switch's cost (it passes the whole loop
+    state through) over several rounds."""
+    if not static.auto:
+        return decode_round(static, static.k, params, state, inputs)
+
+    def segment(k, state):
+        step = lambda carry: (carry[0] + 1, decode_round(static, k, params, carry[1], inputs))  # noqa: E731
+        running = lambda carry: (carry[0] < AUTO_SEGMENT) & ~jnp.all(carry[1].done)  # noqa: E731
+        return jax.lax.while_loop(running, step, (jnp.int32(0), state))[1]
+
+    k = jnp.where(inputs.force_k >= 0, inputs.force_k, best_k(state.counts, inputs.costs))
+    return jax.lax.switch(k, [partial(segment, j) for j in range(static.k + 1)], state)
+
+
+@partial(jax.jit, static_argnums=0)
+def start(static: Static, params, inputs: Inputs) -> DecodeState:
+    """The prefill: the state before the first round."""
+    TRACES[("start", static, inputs.prompt.shape, inputs.stops.shape)] += 1
+    return prefill(static, params, inputs)
+
+
+@partial(jax.jit, static_argnums=0, donate_argnames="state")
+def advance(static: Static, params, state: DecodeState, inputs: Inputs, steps, halt):
+    """Rounds until every row is done, or until `steps` (a traced int) loop steps have run (a step
+    is one round, or with auto a segment of up to AUTO_SEGMENT rounds). halt [B]: rows to end
+    before the first step (stopped by the host). The state's buffers are reused (donated).
+
+    Returns (the new state, a copy of its tokens: (seq, count, done)), the copy for the host to
+    read while the next call already runs on the state."""
+    TRACES[("advance", static, inputs.prompt.shape, inputs.stops.shape)] += 1
+    running = lambda carry: (carry[0] < steps) & ~jnp.all(carry[1].done)  # noqa: E731
+    step = lambda carry: (carry[0] + 1, _rounds(static, params, carry[1], inputs))  # noqa: E731
+    state = jax.lax.while_loop(running, step, (jnp.int32(0), state.replace(done=state.done | halt)))[1]
+    return state, (state.seq + 0, state.count + 0, state.done | False)

@@ -1,0 +1,96 @@
+"""Parameter shapes, logical axes, shardings and counts of a config, from the Flax modules' own `init`, without
+allocating; `module` builds the Flax module for a config."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxmtp.config import ModelConfig
+from jaxmtp.layout import CHECKPOINT, Layout
+from jaxmtp.quant import QuantizedWeight, is_quantized_param, scale_shape
+from jaxmtp.sharding import spec
+from jaxmtp.transformer import DeepseekV3
+
+
+def module(config: ModelConfig, dtype=jnp.float32, absorbed: bool = False, layout: Layout = CHECKPOINT) -> DeepseekV3:
+    return DeepseekV3(config, jnp.dtype(dtype), absorbed, layout)
+
+
+def positions_for(tokens: jax.Array) -> jax.Array:
+    """[B, T] -> [B, T] positions 0..T-1 for each row."""
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+def init_variables(config: ModelConfig, dtype, rng, layout: Layout = CHECKPOINT):
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return module(config, dtype, layout=layout).init(rng, tokens, positions_for(tokens), method=DeepseekV3.init_all)
+
+
+def abstract_params(config: ModelConfig, dtype=jnp.float32, keep_fp8: bool = False, layout: Layout = CHECKPOINT) -> dict:
+    """Shapes and dtypes of every parameter in `layout`, without allocating (jax.ShapeDtypeStruct leaves).
+
+    With keep_fp8 (and a quantized config), the weights a checkpoint stores in FP8 are
+    QuantizedWeight(e4m3fn values, float32 block scales) instead of dense `dtype` arrays.
+    """
+    boxed = jax.eval_shape(partial(init_variables, config, jnp.dtype(dtype), layout=layout), jax.random.key(0))
+    params = nn.meta.unbox(boxed)["params"]
+    if keep_fp8 and config.quantization is not None:
+        params = _quantized_leaves(params, config.quantization.weight_block_size)
+    return params
+
+
+def _quantized_leaves(tree, block, path=()):
+    out = {}
+    for key, leaf in tree.items():
+        p = path + (key,)
+        if isinstance(leaf, dict):
+            out[key] = _quantized_leaves(leaf, block, p)
+        elif is_quantized_param(p):
+            out[key] = QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, jnp.float8_e4m3fn),
+                                       jax.ShapeDtypeStruct(scale_shape(leaf.shape, block), jnp.float32), block)
+        else:
+            out[key] = leaf
+    return out
+
+
+def logical_axes(config: ModelConfig, layout: Layout = CHECKPOINT) -> dict:
+    """The logical axis names of every parameter in `layout`, as a pytree of PartitionSpecs."""
+    boxed = jax.eval_shape(partial(init_variables, config, jnp.float32, layout=layout), jax.random.key(0))
+    return nn.get_partition_spec(boxed)["params"]
+
+
+def _tree_size(tree) -> int:
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
+
+
+def parameter_counts(config: ModelConfig) -> dict[str, int]:
+    """Counts from abstract shapes: `main`, `mtp_unique` (what only the MTP module owns) and
+    `mtp_with_copies` (plus the embedding and head copies a checkpoint stores in the MTP layer)."""
+    params = abstract_params(config)
+    mtp = _tree_size(params.get("mtp", {}))
+    main = _tree_size(params) - mtp
+    copies = 0
+    if config.has_mtp:
+        copies = 2 * config.vocab_size * config.hidden_size
+    return {"main": main, "mtp_unique": mtp, "mtp_with_copies": mtp + copies}
+
+
+def param_shardings(config: ModelConfig, params, mesh: Mesh, layout: Layout = CHECKPOINT):
+    """NamedSharding for every leaf of `params` (abstract or real, in `layout`, default the
+    checkpoint's; QuantizedWeight leaves get one for the values and one for the block scales, cut
+    along the same axes where they divide)."""
+    axes = logical_axes(config, layout)
+
+    def one(logical, leaf):
+        if isinstance(leaf, QuantizedWeight):
+            return leaf.replace(value=NamedSharding(mesh, spec(tuple(logical), leaf.value.shape, mesh)),
+                                scale=NamedSharding(mesh, spec(tuple(logical), leaf.scale.shape, mesh)))
+        return NamedSharding(mesh, spec(tuple(logical), leaf.shape, mesh))
+
+    return jax.tree.map(one, axes, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
