@@ -272,11 +272,11 @@ def generate(model: Model, prompts, config: GenerationConfig | None = None, *, t
     """
     g = options(config, options_)
     prepared = prepare(model, prompts, g)
+    receiver = streaming.Receiver(prepared.n, tokenizer, g.stop) if g.stop else None  # refuses a missing tokenizer
     with model.mesh_context():
         prepared = calibrated(prepared)
-        if not g.stop:
+        if receiver is None:
             return unpack(prepared, prepared.run())
-        receiver = streaming.Receiver(prepared.n, tokenizer, g.stop)
         chunks = prepared.chunks(receiver)
         while True:
             try:

@@ -24,7 +24,7 @@ def _cut_at_stops(rows, sequences):
     return [row[:end(row)] for row in rows]
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=8, deadline=None, derandomize=True)
 @given(kind=st.sampled_from(["partial", "always", "never", "random"]), k=st.integers(1, 4),
        prompts=st.lists(st.lists(st.integers(0, gm.TINY.vocab_size - 1), min_size=1, max_size=12),
                         min_size=1, max_size=8),
@@ -202,7 +202,7 @@ def test_generate_cli_with_a_tokenizer(tmp_path, capsys):
     assert expected in capsys.readouterr().out
 
 
-@settings(max_examples=4, deadline=None, derandomize=True)
+@settings(max_examples=3, deadline=None, derandomize=True)
 @given(kind=st.sampled_from(["partial", "always", "never"]),
        prompts=st.lists(st.lists(st.integers(0, gm.TINY.vocab_size - 1), min_size=1, max_size=12),
                         min_size=1, max_size=3))
