@@ -58,6 +58,8 @@ class Receiver:
         """A row's decoded text, cut before its stop string. With final=False (while it streams),
         also without what may still change: a trailing partial UTF-8 character ("\\ufffd") and a
         tail that could be the start of a stop string."""
+        if self._tokenizer is None:
+            raise ValueError("text: needs the tokenizer the tokens were generated with (tokenizer=...)")
         text = self._tokenizer.decode(self.tokens[row])
         cuts = [text.find(s) for s in self._stop if s in text]
         if cuts:

@@ -81,6 +81,8 @@ def test_stop_strings_end_at_the_token_that_completes_them():
     assert stream.text() == text[:text.index(stop)]
     with pytest.raises(ValueError, match="tokenizer"):
         jaxmtp.generate(model, [PROMPT], stop=["a"])
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate_stream(model, PROMPT).text()
 
 
 def test_logprobs_are_the_main_models_and_agree_between_plain_and_speculative():
