@@ -57,29 +57,28 @@ def _write(table: dict):
     os.replace(tmp, os.path.join(directory, FILE))
 
 
-def measure(run: Callable[[int, int], tuple[float, int]], k_max: int) -> list[float]:
+def measure(round_seconds: Callable[[int], float], k_max: int) -> list[float]:
     """Round costs in plain steps for k = 0..k_max.
 
-    run(k, new_tokens) runs the compiled loop with k forced and returns (seconds, rounds). A round's
-    time is (time of a run - time of the prefill alone) / its rounds; the median of REPEATS runs.
-    Each k is measured in turn within every repeat, so that drifts hit all alike."""
+    round_seconds(k) runs about ROUNDS rounds of the compiled loop with k forced, after a prefill
+    it does not time, and returns the seconds per round; the cost at k is the median of REPEATS
+    calls over the median at k = 0. Each k is measured in turn within every repeat, so that drifts
+    hit all alike."""
     times = {k: [] for k in range(k_max + 1)}
-    run(0, 1)  # first call: warm-up
+    round_seconds(0)  # first call: warm-up
     for _ in range(REPEATS):
-        prefill, _ = run(0, 1)
         for k in range(k_max + 1):
-            seconds, rounds = run(k, ROUNDS * (k + 1))
-            times[k].append(max(seconds - prefill, 1e-9) / max(rounds, 1))
+            times[k].append(round_seconds(k))
     plain = statistics.median(times[0])
     return [statistics.median(times[k]) / plain for k in range(k_max + 1)]
 
 
-def round_costs(cache_key: str, run: Callable[[int, int], tuple[float, int]], k_max: int) -> list[float]:
+def round_costs(cache_key: str, round_seconds: Callable[[int], float], k_max: int) -> list[float]:
     """The stored costs for this key, or measured now and stored."""
     stored = _read().get(cache_key)
     if isinstance(stored, list) and len(stored) == k_max + 1:
         return [float(c) for c in stored]
-    costs = measure(run, k_max)
+    costs = measure(round_seconds, k_max)
     table = _read()
     table[cache_key] = costs
     _write(table)

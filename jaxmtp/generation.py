@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxmtp import calibration, checks, compile_cache, streaming
 from jaxmtp.adaptive import AcceptanceCounts, best_k
-from jaxmtp.decoding import ANY, NEVER, DecodeState, Inputs, Static, advance, start
+from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, DecodeState, Inputs, Static, advance, start
 from jaxmtp.generation_config import GenerationConfig
 from jaxmtp.model import Model
 from jaxmtp.sampling import SamplingMode, SamplingParams
@@ -225,14 +225,20 @@ def calibrated(prepared: Prepared) -> Prepared:
     loop on first use; see jaxmtp.calibration) filled into the inputs."""
     if not prepared.static.auto:
         return prepared
+    static, params = prepared.static, prepared.params
+    segments = -(-calibration.ROUNDS // AUTO_SEGMENT)  # a loop step of the auto loop is a segment
 
-    def timed(k, new_tokens):
-        inputs = prepared.forced(k, new_tokens)
-        start = time.perf_counter()
-        out = jax.block_until_ready(prepared.run(inputs))
-        return time.perf_counter() - start, int(out.steps) - 1  # steps: main passes, the prefill's included
+    def round_seconds(k):
+        """Seconds per round at k over about ROUNDS rounds, the prefill before them not timed (the
+        row's token limit leaves room for ROUNDS full acceptances, or ends earlier at the cache's)."""
+        inputs = prepared.forced(k, calibration.ROUNDS * (k + 1))
+        state = jax.block_until_ready(start(static, params, inputs))
+        began = time.perf_counter()
+        state, _ = jax.block_until_ready(advance(static, params, state, inputs, jnp.int32(segments),
+                                                 jnp.zeros_like(inputs.real)))
+        return (time.perf_counter() - began) / max(int(state.steps) - 1, 1)  # steps: the prefill's included
 
-    return prepared.with_costs(calibration.round_costs(prepared.cost_key(), timed, prepared.static.k))
+    return prepared.with_costs(calibration.round_costs(prepared.cost_key(), round_seconds, static.k))
 
 
 def unpack(prepared: Prepared, state: DecodeState, receiver: streaming.Receiver | None = None) -> GenerationOutput:

@@ -10,8 +10,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 sys.path.insert(0, os.path.dirname(__file__))  # the HF reference helpers
 # Round-cost calibrations (speculative_k="auto") go to a directory of this run, not the user's cache.
 os.environ["JAXMTP_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmtp-test-cache-")
-# No persistent compilation cache unless a test turns it on: the suite compiles everything once.
-os.environ["JAXMTP_COMPILE_CACHE"] = "0"
+# One persistent compilation cache for this run, in a new directory: the notebook's kernel and the
+# CLI's subprocesses load the programs this process compiled before them (the compile-cache test
+# uses a directory of its own).
+os.environ["JAXMTP_COMPILE_CACHE"] = os.path.join(os.environ["JAXMTP_CACHE_DIR"], "xla")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
