@@ -97,8 +97,8 @@ def test_chained_steps_draft_from_the_previous_steps_hidden_state():
     t = tokens.shape[1] - 2
     main, steps, _ = jax.jit(chained_distillation, static_argnums=(2, 3))(model.params, tokens, TINY, 3)
     logits, hidden = (np.asarray(a, np.float64) for a in model.forward(tokens[:, :-2]))
-    mtp = jax.jit(lambda h, nxt: module(TINY).apply({"params": model.params}, jnp.asarray(h, jnp.float32), nxt,  # noqa: E731
-                                            positions_for(nxt), method=DeepseekV3.mtp_step))
+    mtp = jax.jit(lambda h, nxt: module(TINY).apply({"params": model.params}, jnp.asarray(h, jnp.float32), nxt,
+                                                    positions_for(nxt), method=DeepseekV3.mtp_step))
     reads = {s: hidden[:, s] for s in range(t)}  # slot -> the hidden state it reads in this step
     for j in range(1, 4):
         slots = range(j - 1, t)
