@@ -336,6 +336,14 @@ def generate_stream(model: Model, prompt, config: GenerationConfig | None = None
     return TokenStream(model, prepare(model, [prompt], g), tokenizer, g.stop)
 
 
+def _warmed(prepared: Prepared) -> Prepared:
+    """Compiles (and with auto, calibrates) the loop for these buckets by running its prefill
+    alone -> the prepared batch with auto's costs filled in."""
+    prepared = calibrated(prepared)
+    jax.block_until_ready(prepared.run(prepared.limited(1)))
+    return prepared
+
+
 def warm_up(model: Model, prompts, config: GenerationConfig | None = None, **options_) -> float:
     """Compiles (and with auto, calibrates) the loop for each prompt's buckets by running its
     prefill alone, so that later calls only run; -> seconds taken. With the compile cache
@@ -344,8 +352,7 @@ def warm_up(model: Model, prompts, config: GenerationConfig | None = None, **opt
     start = time.perf_counter()
     with model.mesh_context():
         for p in prompts:
-            prepared = calibrated(prepare(model, [p], g))
-            jax.block_until_ready(prepared.run(prepared.limited(1)))
+            _warmed(prepare(model, [p], g))
     return time.perf_counter() - start
 
 
@@ -357,8 +364,7 @@ def timed_generate(model: Model, prompts, config: GenerationConfig | None = None
     prepared = prepare(model, prompts, g)
     with model.mesh_context():
         start = time.perf_counter()
-        prepared = calibrated(prepared)
-        jax.block_until_ready(prepared.run(prepared.limited(1)))
+        prepared = _warmed(prepared)
         compile_seconds = time.perf_counter() - start
         seconds = []
         for _ in range(repeats):
