@@ -10,6 +10,9 @@
 #   6. benchmarks/decode_step.py: the main forward and the MTP pass at 1..5 rows, and the round
 #      cost at each k they give; decode_step_wide: the same for the widened random-weight dense
 #      and MoE configs in benchmarks/configs (1.1-1.2 GiB of float32 weights, memory-bound),
+#      decode_step_experts: the demo with one conditional per routed expert, the arrangement the
+#      decode layout picks on CPUs only (XLA:GPU fetches each conditional's predicate to the host),
+#      to compare with decode_step's stacked experts,
 #   7. the same at the default matmul precision (TF32 on GPUs): does the cost of 2+ rows come from
 #      the full-precision float32 GEMM algorithm?
 #   8. the same at 1 and 4 rows with XLA's optimized HLO written to OUT_DIR/hlo: which kernels a
@@ -22,7 +25,7 @@
 #
 # STEPS (names, space-separated) runs only those steps. The step limits add up to more than one
 # 10-minute device call; the decode-engine figures are
-#   STEPS="bench generate decode_step decode_step_wide hlo" (at most 510 s).
+#   STEPS="bench generate decode_step decode_step_experts decode_step_wide hlo" (at most 570 s).
 #
 #   [STEPS="bench decode_step"] bash benchmarks/accelerator.sh OUT_DIR [PROMPTS_FILE]
 set -u
@@ -51,6 +54,8 @@ step fp8_kernels 110 $py -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py
 step fp8_accuracy 110 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/fp8_accuracy.py
 step generate 60 $py -m jaxmtp.cli generate "def fibonacci(n):" --quiet
 step decode_step 90 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/decode_step.py
+step decode_step_experts 60 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/decode_step.py --experts split \
+  --rows 1,2,4 --calls 100
 step decode_step_wide 90 env JAX_DEFAULT_MATMUL_PRECISION=highest bash -c 'for c in benchmarks/configs/wide_*.json; do
   "$0" benchmarks/decode_step.py --config "$c" --calls 20 --rows 1,2,3,4,5 || exit; done' "$py"
 step decode_step_tf32 90 $py benchmarks/decode_step.py

@@ -1,6 +1,7 @@
 """What the round-cost calibration of speculative_k="auto" costs, and how steady its figures are.
 
-Loads the demo model, compiles the auto loop for one prompt's buckets (not timed), then calibrates
+Loads the demo model, compiles the auto loop and the plain loop for one prompt's buckets (not
+timed), then calibrates
 --repeats times, each with an empty JAXMTP_CACHE_DIR (as on a new machine); prints each
 calibration's seconds and round costs (k = 0..4, in plain steps), whether they make auto start
 with plain decoding or speculation, and the medians. With --tree, the jaxmtp of another checkout is measured
@@ -38,6 +39,9 @@ def main() -> None:
     prompt = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json")).encode(args.prompt).ids
     prepared = generation.prepare(model, [prompt], max_new_tokens=64, speculative_k="auto")
     jax.block_until_ready(prepared.run(prepared.forced(0, 1)))  # compiles the loop
+    if hasattr(prepared, "plain"):  # the plain loop too, the unit of this tree's costs
+        plain = prepared.plain()
+        jax.block_until_ready(plain.run(plain.forced(0, 1)))
     seconds, costs = [], []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as cache:

@@ -6,14 +6,18 @@ T = 1 and once at T = k + 1 (the repair pass); plain decoding runs the main forw
 figures therefore bound the speedup a given acceptance can give on this machine.
 
     python benchmarks/decode_step.py [--model DIR | --config CONFIG_JSON] [--calls 200] [--rows 1,2,3,4,5]
+                                     [--experts decode|split|stacked]
 
 --config times a model of that architecture with random weights (seed 0): how the cost of extra rows
 depends on a model's size and shape (e.g. weights too big for the CPU's caches, dense or MoE).
 The rows of a call carry different tokens, so that they route to different experts as text does.
 With PYTHONPATH pointing at an earlier checkout, the same loops time that checkout's engine.
+--experts forces the routed experts' arrangement of the decode layout (one conditional per expert,
+or the stack that few tokens gather from) instead of the one it picks for this platform.
 """
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +74,18 @@ def main():
     parser.add_argument("--config", help="an HF config.json: random weights of that architecture instead of --model")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rows", default="1,2,3,4,5")
+    parser.add_argument("--experts", choices=("decode", "split", "stacked"), default="decode",
+                        help="routed experts as the decode layout picks them here, or forced")
     args = parser.parse_args()
     if args.config:
         model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(args.config))
     else:
         model = jaxmtp.load(args.model, quiet=True)
+    if args.experts != "decode":
+        from jaxmtp.layout import decode_layout
+
+        layout = decode_layout(model.config, model.params)
+        model = model.with_layout(dataclasses.replace(layout, split_experts=args.experts == "split"))
     model = model.decoding() if hasattr(model, "decoding") else model
     counts = parameter_counts(model.config)
     parameters = counts["main"] + counts["mtp_unique"]
@@ -82,7 +93,8 @@ def main():
                   layout=getattr(model, "layout", None))  # an earlier engine's Static has no layout
     static = Static(**{name: value for name, value in fields.items() if name in Static.__dataclass_fields__})
     print(f"{args.config or args.model} ({parameters / 1e6:.1f}M parameters, {model.dtype.name}) on "
-          f"{jax.devices()[0].device_kind}: microseconds per call, median of 5 loops of {args.calls} calls")
+          f"{jax.devices()[0].device_kind}, {getattr(model, 'layout', 'checkpoint layout')}: microseconds per call, "
+          f"median of 5 loops of {args.calls} calls")
     main, mtp = {}, {}
     for rows in (int(r) for r in args.rows.split(",")):
         main_loop, mtp_loop = step_loops(static, rows, args.calls)

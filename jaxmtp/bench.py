@@ -92,7 +92,8 @@ def _row(k, outputs, plain, totals, prefills, prompt_count, costs) -> dict:
     new = sum(len(t) for t in tokens)
     total, prefill = statistics.median(totals), statistics.median(prefills)
     mean_length = 1 + accepted / rounds if rounds else 1.0
-    cost = costs[k] if costs is not None and isinstance(k, int) and k < len(costs) else None
+    # the plain loop is the unit; a fixed k is costed by the auto loop's round at that k
+    cost = 1.0 if k == 0 else costs[k] if costs is not None and isinstance(k, int) and k < len(costs) else None
     return {"k": k, "tokens_per_s": new / total, "decode_tokens_per_s": (new - prompt_count) / max(total - prefill, 1e-9),
             "acceptance_rate": accepted / drafted if drafted else 0.0, "mean_accepted_length": mean_length,
             "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(at, drafting)],

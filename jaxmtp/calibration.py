@@ -1,11 +1,17 @@
 """What a speculative round at each k costs on this machine, measured once and kept on disk.
 
-The cost of a round at k (draft k tokens, verify k + 1 rows, repair) in units of a plain decoding
-step depends on the device, the model (config, dtype, parameter layout), the sampling mode and the
-shapes (batch, prompt and cache buckets), hardly on the text. `generate(speculative_k="auto")`
+The cost of a round at k (draft k tokens, verify k + 1 rows, repair) in units of a step of plain
+decoding depends on the device, the model (config, dtype, parameter layout), the sampling mode and
+the shapes (batch, prompt and cache buckets), hardly on the text. `generate(speculative_k="auto")`
 measures it the first time it meets such a combination, by running its own compiled loop with k
-forced to each value (so nothing extra is compiled), and stores the figures in a JSON file keyed by
-all of the above and by the jax version. The file lives in $JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
+forced to each value, and the plain decoding loop for the unit; it stores the figures in a JSON
+file keyed by all of the above and by the jax version. The file lives in $JAXMTP_CACHE_DIR
+(default ~/.cache/jaxmtp).
+
+The unit is the plain loop's step, not the auto loop's own round at k = 0: the auto loop passes its
+whole state through a switch between its round variants, which makes its k = 0 round dearer than
+a step of the plain loop (1.1-1.25x for the demo model on a 2-core CPU). Measured against its own
+k = 0 round, every cost read that much too low, and auto speculated where the plain loop was faster.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Callable
 import jax
 
 FILE = "round_costs.json"
+UNIT = "unit: plain loop step"  # part of every key: costs measured in another unit are not reused
 ROUNDS = 48  # timed rounds per k
 REPEATS = 5
 
@@ -34,7 +41,7 @@ def key(config_json: dict, dtype, layout, mode, batch: int, prompt_len: int, cac
     digest = hashlib.sha256(json.dumps(config_json, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return (f"{device.platform}:{device.device_kind}:n{jax.device_count()}|jax {jax.__version__}|{digest}|"
             f"{jax.numpy.dtype(dtype).name}|{layout}|{mode}|batch {batch}|prompt {prompt_len}|cache {cache_len}|"
-            f"k<={k_max}")
+            f"k<={k_max}|{UNIT}")
 
 
 def _read() -> dict:
@@ -57,28 +64,31 @@ def _write(table: dict):
     os.replace(tmp, os.path.join(directory, FILE))
 
 
-def measure(round_seconds: Callable[[int], float], k_max: int) -> list[float]:
+def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], float], k_max: int) -> list[float]:
     """Round costs in plain steps for k = 0..k_max.
 
-    round_seconds(k) runs about ROUNDS rounds of the compiled loop with k forced, after a prefill
-    it does not time, and returns the seconds per round; the cost at k is the median of REPEATS
-    calls over the median at k = 0. Each k is measured in turn within every repeat, so that drifts
-    hit all alike."""
-    times = {k: [] for k in range(k_max + 1)}
-    round_seconds(0)  # first call: warm-up
+    plain_seconds() runs about ROUNDS steps of the plain decoding loop and round_seconds(k) about
+    ROUNDS rounds of the auto loop with k forced, each after a prefill it does not time, and return
+    the seconds per step or round. Each of REPEATS repeats measures the plain loop and then every
+    k, a fraction of a second in all; the cost at k is the median over the repeats of its time over
+    the plain loop's in the same repeat, so that a shared machine's slower and faster spells (which
+    last seconds) cancel out."""
+    plain_seconds(), round_seconds(0)  # first calls: warm-up
+    ratios = {k: [] for k in range(k_max + 1)}
     for _ in range(REPEATS):
+        unit = plain_seconds()
         for k in range(k_max + 1):
-            times[k].append(round_seconds(k))
-    plain = statistics.median(times[0])
-    return [statistics.median(times[k]) / plain for k in range(k_max + 1)]
+            ratios[k].append(round_seconds(k) / unit)
+    return [statistics.median(ratios[k]) for k in range(k_max + 1)]
 
 
-def round_costs(cache_key: str, round_seconds: Callable[[int], float], k_max: int) -> list[float]:
-    """The stored costs for this key, or measured now and stored."""
+def round_costs(cache_key: str, plain_seconds: Callable[[], float], round_seconds: Callable[[int], float],
+                k_max: int) -> list[float]:
+    """The stored costs for this key, or measured now (see `measure`) and stored."""
     stored = _read().get(cache_key)
     if isinstance(stored, list) and len(stored) == k_max + 1:
         return [float(c) for c in stored]
-    costs = measure(round_seconds, k_max)
+    costs = measure(plain_seconds, round_seconds, k_max)
     table = _read()
     table[cache_key] = costs
     _write(table)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp import calibration, checks, compile_cache, streaming
-from jaxmtp.adaptive import AcceptanceCounts, best_k
+from jaxmtp.adaptive import AcceptanceCounts, expected_tokens
 from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, DecodeState, Inputs, Static, advance, start
 from jaxmtp.generation_config import GenerationConfig
 from jaxmtp.model import Model
@@ -114,15 +114,21 @@ class Prepared:
     costs: list[float] | None = None  # auto: the calibrated round costs
 
     def with_costs(self, costs: list[float]) -> "Prepared":
-        """Auto with these round costs; or plain decoding when the rule picks k = 0 at the prior's
-        acceptance: rounds at k = 0 measure nothing, so the counts stay empty and the rule would
-        never leave k = 0. The plain loop then runs, without the MTP passes or the switch."""
-        if int(best_k(AcceptanceCounts.zeros(self.static.k), jnp.asarray(costs, jnp.float32))) == 0:
-            static = dataclasses.replace(self.static, k=0, auto=False)
-            inputs = self.inputs.replace(costs=jnp.ones((1,), jnp.float32), force_k=jnp.int32(-1))
-            return dataclasses.replace(self, static=static, inputs=inputs, costs=costs)
+        """Auto with these round costs (in steps of the plain loop); or the plain loop itself when
+        no round of the auto loop, k = 0 included, yields more tokens per plain step at the prior's
+        acceptance: rounds at k = 0 measure nothing, so the counts would stay at the prior and the
+        rule would never try drafting again."""
+        prior = expected_tokens(AcceptanceCounts.zeros(self.static.k).conditional())
+        if float(jnp.max(prior / jnp.asarray(costs, jnp.float32))) <= 1.0:
+            return dataclasses.replace(self.plain(), costs=costs)
         return dataclasses.replace(self, inputs=self.inputs.replace(costs=jnp.asarray(costs, jnp.float32)),
                                    costs=costs)
+
+    def plain(self) -> "Prepared":
+        """The same batch for the plain decoding loop (k = 0, no auto)."""
+        static = dataclasses.replace(self.static, k=0, auto=False)
+        inputs = self.inputs.replace(costs=jnp.ones((1,), jnp.float32), force_k=jnp.int32(-1))
+        return dataclasses.replace(self, static=static, inputs=inputs)
 
     def limited(self, new_tokens: int) -> Inputs:
         """Inputs with at most new_tokens per row (as many as the cache bucket holds); 1 runs the
@@ -222,23 +228,27 @@ def prepare(model: Model, prompts, config: GenerationConfig | None = None, **ove
 
 def calibrated(prepared: Prepared) -> Prepared:
     """With auto: the round costs for this device, model and buckets (measured with the compiled
-    loop on first use; see jaxmtp.calibration) filled into the inputs."""
+    loops on first use, in steps of the plain loop; see jaxmtp.calibration) filled into the inputs."""
     if not prepared.static.auto:
         return prepared
-    static, params = prepared.static, prepared.params
+    plain = prepared.plain()
     segments = -(-calibration.ROUNDS // AUTO_SEGMENT)  # a loop step of the auto loop is a segment
 
-    def round_seconds(k):
-        """Seconds per round at k over about ROUNDS rounds, the prefill before them not timed (the
-        row's token limit leaves room for ROUNDS full acceptances, or ends earlier at the cache's)."""
-        inputs = prepared.forced(k, calibration.ROUNDS * (k + 1))
-        state = jax.block_until_ready(start(static, params, inputs))
+    def seconds_per_round(run: Prepared, inputs: Inputs, steps: int) -> float:
+        """Seconds per round over `steps` loop steps of `run`, the prefill before them not timed
+        (the row's token limit leaves room for ROUNDS full acceptances, or ends earlier at the
+        cache's)."""
+        state = jax.block_until_ready(start(run.static, run.params, inputs))
         began = time.perf_counter()
-        state, _ = jax.block_until_ready(advance(static, params, state, inputs, jnp.int32(segments),
+        state, _ = jax.block_until_ready(advance(run.static, run.params, state, inputs, jnp.int32(steps),
                                                  jnp.zeros_like(inputs.real)))
         return (time.perf_counter() - began) / max(int(state.steps) - 1, 1)  # steps: the prefill's included
 
-    return prepared.with_costs(calibration.round_costs(prepared.cost_key(), round_seconds, static.k))
+    costs = calibration.round_costs(
+        prepared.cost_key(), lambda: seconds_per_round(plain, plain.forced(0, calibration.ROUNDS), calibration.ROUNDS),
+        lambda k: seconds_per_round(prepared, prepared.forced(k, calibration.ROUNDS * (k + 1)), segments),
+        prepared.static.k)
+    return prepared.with_costs(costs)
 
 
 def unpack(prepared: Prepared, state: DecodeState, receiver: streaming.Receiver | None = None) -> GenerationOutput:

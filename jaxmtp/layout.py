@@ -10,10 +10,17 @@ its parameters in whichever layout it is given (`layout` attribute), so the mode
 - split_experts: a layer's routed expert weights as a tuple of E arrays, so that each expert a
   token chose runs on that expert's own buffers (`lax.cond` per expert), with no gather or slice
   of the stack (a slice of an operand is a copy in XLA: 3x the time for one token of the demo).
+  CPU only: XLA:GPU copies every conditional's predicate to the host and waits for it before it
+  launches a branch (its ConditionalThunk), so E experts x L layers of conditionals would stall a
+  GPU step L x E times; there the experts stay stacked and few tokens gather their experts'
+  weights (the path measured on an H200).
 - inputs_first: dense projection weights stored [in, out], multiplied as x @ W. For two or more
   rows XLA's CPU GEMM re-packs an [out, in] weight on every call (x[4, 128] times a 512 x 128
-  weight: 11.7 us vs 3.8 us stored [in, out], on a 2-core Xeon). kv_b_proj keeps [out, in]: it is only
-  read as per-head up-projections. FP8-kept weights keep theirs: the kernels take [out, in] blocks.
+  weight: 11.7 us vs 3.8 us stored [in, out], on a 2-core Xeon). kv_b_proj is only read as per-head
+  up-projections, so it is stored as those: `key` [H, N, C] and `value` [H, V, C]. Cut out of the
+  [H * (N + V), C] weight on every step, they made XLA copy and re-lay them out in each layer (the
+  demo's 1-row step 1.2x slower on a 2-core EPYC). FP8-kept weights keep theirs: the kernels take
+  [out, in] blocks.
 
 `decode_layout` picks the layout for a model and `convert` derives its parameters, once per model
 (`Model.decoding`): the checkpoint layout for models too large to unroll.
@@ -35,7 +42,7 @@ MAX_SPLIT_EXPERTS = 16
 # FP8 kept) unrolling the 61 layers raised the compile time from 6 s to 44 s and XLA's temporaries
 # from 48 to 112 GB per device.
 MAX_UNROLLED_BYTES = 8 << 30
-# Weights that keep the checkpoint's [out, in] layout under inputs_first.
+# Weights that keep the checkpoint's [out, in] layout under inputs_first (kv_b_proj is split per head).
 OUT_IN_ONLY = frozenset({"kv_b_proj", "embed_tokens"})
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # under each layer's `experts`
 
@@ -65,20 +72,29 @@ def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
     """The layout to decode this model in: the checkpoint's (scanned) for models of more than
     MAX_UNROLLED_BYTES of parameters, otherwise unrolled. Models with weights kept in FP8 stay
     otherwise as they are (the FP8 kernels take the stacked [out, in] blocks). Dense models store
-    projections inputs first, and split their experts when there are at most MAX_SPLIT_EXPERTS and
-    no mesh axis runs them expert-parallel (that needs the stack)."""
+    projections inputs first, and on a CPU split their experts when there are at most
+    MAX_SPLIT_EXPERTS and no mesh axis runs them expert-parallel (that needs the stack)."""
     if _bytes(params) > MAX_UNROLLED_BYTES:
         return CHECKPOINT
     if is_quantized(params):
         return Layout(unrolled=True)
     parallel = mesh is not None and mesh.shape.get("expert", 1) * mesh.shape.get("tensor", 1) > 1
-    split = config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel
+    split = config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel and _platform(params, mesh) == "cpu"
     return Layout(unrolled=True, split_experts=split, inputs_first=True)
 
 
-def convert(params, layout: Layout):
-    """Checkpoint-layout parameters -> the same parameters in `layout` (new arrays where the
-    arrangement changes; jit it to keep a mesh's shardings)."""
+def _platform(params, mesh) -> str:
+    """The platform of the mesh's devices, or of the devices the parameters are on (abstract
+    parameters: the default device's)."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    devices = getattr(jax.tree.leaves(params)[0], "devices", None)
+    return next(iter(devices())).platform if callable(devices) else jax.devices()[0].platform
+
+
+def convert(params, layout: Layout, config: ModelConfig):
+    """Checkpoint-layout parameters of `config` -> the same parameters in `layout` (new arrays
+    where the arrangement changes; jit it to keep a mesh's shardings)."""
     if not layout.unrolled:
         return params
     params = dict(params)
@@ -92,6 +108,7 @@ def convert(params, layout: Layout):
     if layout.inputs_first:
         params = jax.tree_util.tree_map_with_path(_to_inputs_first, params,
                                                   is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        params = _per_head_up_projections(params, config)
     return params
 
 
@@ -108,6 +125,17 @@ def _split_experts(tree):
         else:
             out[key] = _split_experts(value)
     return out
+
+
+def _per_head_up_projections(tree, config: ModelConfig):
+    """Every `kv_b_proj` {weight: [H * (N + V), C]} -> {key: [H, N, C], value: [H, V, C]}."""
+    if not isinstance(tree, dict):
+        return tree
+    if "kv_b_proj" in tree:
+        c = config
+        weight = tree["kv_b_proj"]["weight"].reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+        tree = dict(tree, kv_b_proj={"key": weight[:, :c.qk_nope_head_dim], "value": weight[:, c.qk_nope_head_dim:]})
+    return {key: _per_head_up_projections(value, config) for key, value in tree.items()}
 
 
 def _to_inputs_first(path, leaf):

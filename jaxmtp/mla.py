@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
-from jaxmtp.layers import Dtype, Linear, RMSNorm
+from jaxmtp.layers import Dtype, Linear, RMSNorm, normal_init
 from jaxmtp.layout import CHECKPOINT, Layout
 from jaxmtp.quant import as_dense
 from jaxmtp.rope import apply_rope
@@ -45,8 +45,10 @@ class MLA(nn.Module):
             self.q_b_proj = lin(c.q_lora_rank, H * c.qk_head_dim, ("heads", "q_lora"))
         self.kv_a_proj_with_mqa = lin(D, c.cache_width, ("kv_lora", "embed"))
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, self.dtype)
-        # Always [out, in]: only read as per-head up-projections (see up_projections).
-        self.kv_b_proj = lin(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), ("heads", "kv_lora"), CHECKPOINT)
+        if self.layout.inputs_first:  # stored as what it is read as: per-head up-projections
+            self.kv_b_proj = UpProjections(c, self.dtype)
+        else:
+            self.kv_b_proj = lin(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), ("heads", "kv_lora"), CHECKPOINT)
         self.o_proj = lin(H * c.v_head_dim, D, ("embed", "heads"))
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: MLACache | None = None):
@@ -79,6 +81,8 @@ class MLA(nn.Module):
     def up_projections(self):
         """kv_b_proj viewed per head -> W_uk [H, N, C], W_uv [H, V, C]."""
         c = self.config
+        if self.layout.inputs_first:
+            return self.kv_b_proj.key, self.kv_b_proj.value
         w = as_dense(self.kv_b_proj.weight, self.dtype)
         w = w.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return jnp.split(w, [c.qk_nope_head_dim], axis=1)
@@ -106,3 +110,17 @@ class MLA(nn.Module):
         scores = scores.astype(jnp.float32) * self.config.softmax_scale
         scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
         return jax.nn.softmax(scores, axis=-1)
+
+
+class UpProjections(nn.Module):
+    """kv_b_proj in the decode layout (jaxmtp.layout): the checkpoint's [H * (N + V), C] weight as
+    key [H, N, C] (W_uk) and value [H, V, C] (W_uv)."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c, H = self.config, self.config.num_attention_heads
+        init = lambda: normal_init(c.initializer_range, ("heads", "head_dim", "kv_lora"))  # noqa: E731
+        self.key = self.param("key", init(), (H, c.qk_nope_head_dim, c.kv_lora_rank), self.dtype)
+        self.value = self.param("value", init(), (H, c.v_head_dim, c.kv_lora_rank), self.dtype)

@@ -43,7 +43,7 @@ class Model:
         if self.layout != CHECKPOINT:
             raise ValueError(f"with_layout: converts from the checkpoint layout only; this model is in {self.layout}")
         with self.mesh_context():
-            params = jax.jit(partial(convert, layout=layout))(self.params)
+            params = jax.jit(partial(convert, layout=layout, config=self.config))(self.params)
         return dataclasses.replace(self, params=params, layout=layout)
 
     def decoding(self) -> "Model":

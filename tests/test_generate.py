@@ -216,7 +216,7 @@ def test_auto_k_greedy_is_plain_greedy(kind, prompts):
     auto = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW, speculative_k="auto")
     assert auto.tokens == plain.tokens
     costs = auto.stats["round_costs"]
-    assert len(costs) == AUTO_MAX_K + 1 and costs[0] == 1.0
+    assert len(costs) == AUTO_MAX_K + 1 and all(c > 0 for c in costs)
     for row in auto.stats["per_row"]:  # every round of a row is counted at the k it ran
         assert sum(row["rounds_by_k"].values()) == row["main_forward_passes"] - 1
 
@@ -248,10 +248,15 @@ def test_auto_follows_acceptance():
 
 
 def test_auto_runs_the_plain_loop_when_no_k_pays_at_the_prior():
+    """Costs are in steps of the plain loop: the auto loop runs only where one of its rounds yields
+    more than one token per plain step at the prior's acceptance (0.7: 1.7, 2.19, ... tokens)."""
     prepared = prepare(gm.model("always"), [[3, 4]], max_new_tokens=8, speculative_k="auto")
     plain = prepared.with_costs([1.0, 1.8, 2.3, 2.7, 3.0])  # 1.7 / 1.8, 2.19 / 2.3, ... all below 1
     assert plain.static.k == 0 and not plain.static.auto
     assert prepared.with_costs([1.0, 1.6, 2.3, 2.7, 3.0]).static.auto  # 1.7 / 1.6 pays
+    # the auto loop's own k = 0 round dearer than a plain step: its best round (k = 1, 1.7 / 1.75)
+    # beats its k = 0 (1 / 1.2) but not the plain loop
+    assert not prepared.with_costs([1.2, 1.75, 2.3, 2.7, 3.0]).static.auto
 
 
 def test_expected_tokens_and_best_k_follow_the_formula():
@@ -278,15 +283,20 @@ def test_round_costs_are_measured_once_and_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXMTP_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def round_seconds(k):  # a round at k costs k + 1 plain steps
+    def plain_seconds():  # the unit: a step of the plain loop
+        calls.append("plain")
+        return 0.001
+
+    def round_seconds(k):  # a round of the auto loop at k costs k + 1.25 plain steps
         calls.append(k)
-        return 0.001 * (1 + k)
+        return 0.001 * (1.25 + k)
 
     key = "device|model|shapes"
-    first = calibration.round_costs(key, round_seconds, 2)
-    assert first[0] == 1.0 and first[1] == pytest.approx(2.0, rel=0.05) and first[2] == pytest.approx(3.0, rel=0.05)
+    first = calibration.round_costs(key, plain_seconds, round_seconds, 2)
+    assert first == pytest.approx([1.25, 2.25, 3.25])
+    assert calls.count("plain") == calibration.REPEATS + 1  # one warm-up call
     count = len(calls)
-    assert calibration.round_costs(key, round_seconds, 2) == first and len(calls) == count  # read from the file
+    assert calibration.round_costs(key, plain_seconds, round_seconds, 2) == first and len(calls) == count  # from the file
     assert (tmp_path / calibration.FILE).exists()
     (tmp_path / calibration.FILE).write_text("not json")  # a damaged file is measured again
-    assert calibration.round_costs(key, round_seconds, 2) == pytest.approx(first) and len(calls) > count
+    assert calibration.round_costs(key, plain_seconds, round_seconds, 2) == pytest.approx(first) and len(calls) > count

@@ -34,7 +34,11 @@ def test_converted_parameters_are_the_checkpoint_tensors_rearranged():
     assert dense.layout == Layout(unrolled=True, split_experts=True, inputs_first=True)
     stacked, layer = model.params["moe_layers"]["layers"], dense.params["moe_layers"]["layers_2"]
     np.testing.assert_array_equal(layer["self_attn"]["q_b_proj"]["weight"], stacked["self_attn"]["q_b_proj"]["weight"][2].T)
-    np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["weight"], stacked["self_attn"]["kv_b_proj"]["weight"][2])
+    c = model.config  # kv_b_proj's rows are per head: N key rows, then V value rows
+    per_head = stacked["self_attn"]["kv_b_proj"]["weight"][2].reshape(c.num_attention_heads, -1, c.kv_lora_rank)
+    np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["key"], per_head[:, :c.qk_nope_head_dim])
+    np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["value"], per_head[:, c.qk_nope_head_dim:])
+    assert per_head.shape[1] == c.qk_nope_head_dim + c.v_head_dim
     np.testing.assert_array_equal(layer["mlp"]["experts"]["down_proj"][5], stacked["mlp"]["experts"]["down_proj"][2, 5].T)
     np.testing.assert_array_equal(layer["mlp"]["gate"]["weight"], stacked["mlp"]["gate"]["weight"][2].T)
     np.testing.assert_array_equal(dense.params["lm_head"]["weight"], model.params["lm_head"]["weight"].T)
@@ -58,6 +62,15 @@ def test_a_mesh_that_runs_experts_in_parallel_keeps_them_stacked():
     mesh = make_mesh(expert=2, tensor=4)
     assert not decode_layout(gm.TINY, gm.model("random").params, mesh).split_experts
     assert decode_layout(gm.TINY, gm.model("random").params, make_mesh(data=8)).split_experts
+
+
+def test_experts_stay_stacked_on_a_gpu():
+    """XLA:GPU fetches every conditional's predicate to the host: no conditional per expert there."""
+    import types
+
+    gpu = types.SimpleNamespace(shape={"data": 1}, devices=np.array([types.SimpleNamespace(platform="gpu")]))
+    layout = decode_layout(gm.TINY, gm.model("random").params, gpu)
+    assert layout == Layout(unrolled=True, inputs_first=True)
 
 
 def test_layout_rules():
