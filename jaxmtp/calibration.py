@@ -10,7 +10,7 @@ file keyed by all of the above and by the jax version. The file lives in $JAXMTP
 
 The unit is the plain loop's step, not the auto loop's own round at k = 0: the auto loop passes its
 whole state through a switch between its round variants, which makes its k = 0 round dearer than
-a step of the plain loop (1.1-1.25x for the demo model on a 2-core CPU). Measured against its own
+a step of the plain loop (1.0-1.25x for the demo model on a 2-core CPU). Measured against its own
 k = 0 round, every cost read that much too low, and auto speculated where the plain loop was faster.
 """
 
@@ -71,8 +71,8 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
     ROUNDS rounds of the auto loop with k forced, each after a prefill it does not time, and return
     the seconds per step or round. Each of REPEATS repeats measures the plain loop and then every
     k, a fraction of a second in all; the cost at k is the median over the repeats of its time over
-    the plain loop's in the same repeat, so that a shared machine's slower and faster spells (which
-    last seconds) cancel out."""
+    the plain loop's in the same repeat (paired: a shared machine's slower spells, which last
+    seconds, weigh on both alike)."""
     plain_seconds(), round_seconds(0)  # first calls: warm-up
     ratios = {k: [] for k in range(k_max + 1)}
     for _ in range(REPEATS):
