@@ -13,8 +13,8 @@ to plain decoding and sampled output exactly distributed. Rounds at k = 0 draft 
 nothing and leave the MTP cache as it is; once decay has brought the counts back towards the
 prior the rule may try drafting again, and those first drafts read an MTP cache without the
 plainly decoded positions (fewer of them are accepted until the repair passes have refilled it).
-Where the rule picks k = 0 at the prior itself, it would never leave it: generation then runs the
-plain loop (`Prepared.with_costs`).
+Where no round of this loop, k = 0 included, beats a step of the plain decoding loop at the prior
+(the costs are in those steps), generation runs the plain loop instead (`Prepared.with_costs`).
 """
 
 from __future__ import annotations
