@@ -48,7 +48,8 @@ class MLA(nn.Module):
         if self.layout.inputs_first:  # stored as what it is read as: per-head up-projections
             self.kv_b_proj = UpProjections(c, self.dtype)
         else:
-            self.kv_b_proj = lin(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), ("heads", "kv_lora"), CHECKPOINT)
+            self.kv_b_proj = lin(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), ("heads", "kv_lora"),
+                                 CHECKPOINT)
         self.o_proj = lin(H * c.v_head_dim, D, ("embed", "heads"))
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: MLACache | None = None):

@@ -296,7 +296,8 @@ def test_round_costs_are_measured_once_and_kept(tmp_path, monkeypatch):
     assert first == pytest.approx([1.25, 2.25, 3.25])
     assert calls.count("plain") == calibration.REPEATS + 1  # one warm-up call
     count = len(calls)
-    assert calibration.round_costs(key, plain_seconds, round_seconds, 2) == first and len(calls) == count  # from the file
+    again = calibration.round_costs(key, plain_seconds, round_seconds, 2)
+    assert again == first and len(calls) == count  # read from the file
     assert (tmp_path / calibration.FILE).exists()
     (tmp_path / calibration.FILE).write_text("not json")  # a damaged file is measured again
     assert calibration.round_costs(key, plain_seconds, round_seconds, 2) == pytest.approx(first) and len(calls) > count
