@@ -42,8 +42,8 @@ MAX_SPLIT_EXPERTS = 16
 # FP8 kept) unrolling the 61 layers raised the compile time from 6 s to 44 s and XLA's temporaries
 # from 48 to 112 GB per device.
 MAX_UNROLLED_BYTES = 8 << 30
-# Weights that keep the checkpoint's [out, in] layout under inputs_first (kv_b_proj is split per head).
-OUT_IN_ONLY = frozenset({"kv_b_proj", "embed_tokens"})
+# Weights that keep the checkpoint's [out, in] layout under inputs_first.
+OUT_IN_ONLY = frozenset({"embed_tokens"})
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # under each layer's `experts`
 
 
@@ -105,10 +105,10 @@ def convert(params, layout: Layout, config: ModelConfig):
             params[group] = {f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(count)}
     if layout.split_experts:
         params = _split_experts(params)
-    if layout.inputs_first:
+    if layout.inputs_first:  # kv_b_proj first: its per-head halves are 3-D, which the transpose leaves alone
+        params = _per_head_up_projections(params, config)
         params = jax.tree_util.tree_map_with_path(_to_inputs_first, params,
                                                   is_leaf=lambda x: isinstance(x, QuantizedWeight))
-        params = _per_head_up_projections(params, config)
     return params
 
 
@@ -132,10 +132,16 @@ def _per_head_up_projections(tree, config: ModelConfig):
     if not isinstance(tree, dict):
         return tree
     if "kv_b_proj" in tree:
-        c = config
-        weight = tree["kv_b_proj"]["weight"].reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
-        tree = dict(tree, kv_b_proj={"key": weight[:, :c.qk_nope_head_dim], "value": weight[:, c.qk_nope_head_dim:]})
+        key, value = up_projections(tree["kv_b_proj"]["weight"], config)
+        tree = dict(tree, kv_b_proj={"key": key, "value": value})
     return {key: _per_head_up_projections(value, config) for key, value in tree.items()}
+
+
+def up_projections(kv_b, config: ModelConfig):
+    """The checkpoint's kv_b_proj weight [H * (N + V), C] viewed per head -> W_uk [H, N, C], W_uv [H, V, C]."""
+    c = config
+    per_head = kv_b.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    return per_head[:, :c.qk_nope_head_dim], per_head[:, c.qk_nope_head_dim:]
 
 
 def _to_inputs_first(path, leaf):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
 from jaxmtp.layers import Dtype, Linear, RMSNorm, normal_init
-from jaxmtp.layout import CHECKPOINT, Layout
+from jaxmtp.layout import CHECKPOINT, Layout, up_projections
 from jaxmtp.quant import as_dense
 from jaxmtp.rope import apply_rope
 
@@ -81,12 +81,9 @@ class MLA(nn.Module):
 
     def up_projections(self):
         """kv_b_proj viewed per head -> W_uk [H, N, C], W_uv [H, V, C]."""
-        c = self.config
         if self.layout.inputs_first:
             return self.kv_b_proj.key, self.kv_b_proj.value
-        w = as_dense(self.kv_b_proj.weight, self.dtype)
-        w = w.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        return jnp.split(w, [c.qk_nope_head_dim], axis=1)
+        return up_projections(as_dense(self.kv_b_proj.weight, self.dtype), self.config)
 
     def attend_expanded(self, q_nope, q_pe, c_kv, k_pe, mask):
         w_uk, w_uv = self.up_projections()
