@@ -32,17 +32,16 @@ from jaxmtp.params import parameter_counts
 from jaxmtp.sampling import SamplingMode
 from timing import median_seconds
 
-CACHE_LEN, START = 128, 40  # cache slots; position of the first row fed
 
 
 def microseconds_per_call(loop, args, calls):
     return median_seconds(jax.jit(loop), args, repeats=5) / calls * 1e6
 
 
-def step_loops(static, rows, calls):
-    """(main loop, MTP loop): each feeds `rows` tokens at positions START.. per call, `calls` times.
+def step_loops(static, rows, calls, start=40):
+    """(main loop, MTP loop): each feeds `rows` tokens at positions start.. per call, `calls` times.
     The tokens fed depend on the previous call's output so that no call can be skipped."""
-    positions = START + jnp.arange(rows, dtype=jnp.int32)[None]
+    positions = start + jnp.arange(rows, dtype=jnp.int32)[None]
     spread = jnp.arange(rows, dtype=jnp.int32)[None] * 131  # a different token in every row
 
     def fed(acc):
@@ -74,6 +73,10 @@ def main():
     parser.add_argument("--config", help="an HF config.json: random weights of that architecture instead of --model")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rows", default="1,2,3,4,5")
+    parser.add_argument("--cache-len", type=int, default=128, help="cache slots (the bucket a generation would use)")
+    parser.add_argument("--start", type=int, default=40, help="position of each call's first row")
+    parser.add_argument("--prefix-attention", choices=("decode", "on", "off"), default="decode",
+                        help="attention over a prefix of the cache as the decode layout picks it here, or forced")
     parser.add_argument("--experts", choices=("decode", "split", "stacked"), default="decode",
                         help="routed experts as the decode layout picks them here, or forced")
     args = parser.parse_args()
@@ -81,15 +84,18 @@ def main():
         model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(args.config))
     else:
         model = jaxmtp.load(args.model, quiet=True)
-    if args.experts != "decode":
+    forced = {name: getattr(args, name) == choice for name, choice in
+              (("experts", "split"), ("prefix_attention", "on")) if getattr(args, name) != "decode"}
+    if forced:
         from jaxmtp.layout import decode_layout
 
         layout = decode_layout(model.config, model.params)
-        model = model.with_layout(dataclasses.replace(layout, split_experts=args.experts == "split"))
+        fields = {"split_experts" if name == "experts" else name: value for name, value in forced.items()}
+        model = model.with_layout(dataclasses.replace(layout, **fields))
     model = model.decoding() if hasattr(model, "decoding") else model
     counts = parameter_counts(model.config)
     parameters = counts["main"] + counts["mtp_unique"]
-    fields = dict(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0), cache_len=CACHE_LEN,
+    fields = dict(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0), cache_len=args.cache_len,
                   layout=getattr(model, "layout", None))  # an earlier engine's Static has no layout
     static = Static(**{name: value for name, value in fields.items() if name in Static.__dataclass_fields__})
     print(f"{args.config or args.model} ({parameters / 1e6:.1f}M parameters, {model.dtype.name}) on "
@@ -97,9 +103,9 @@ def main():
           f"median of 5 loops of {args.calls} calls")
     main, mtp = {}, {}
     for rows in (int(r) for r in args.rows.split(",")):
-        main_loop, mtp_loop = step_loops(static, rows, args.calls)
+        main_loop, mtp_loop = step_loops(static, rows, args.calls, args.start)
         main[rows] = microseconds_per_call(main_loop, (model.params, empty_caches(static, 1)), args.calls)
-        mtp_cache = MLACache.zeros(model.config, None, 1, CACHE_LEN, model.dtype)
+        mtp_cache = MLACache.zeros(model.config, None, 1, args.cache_len, model.dtype)
         mtp[rows] = microseconds_per_call(mtp_loop, (model.params, mtp_cache), args.calls)
         print(f"T={rows}: main forward {main[rows]:8.1f}   MTP pass {mtp[rows]:7.1f}", flush=True)
     # A round at k: main forward at k + 1 rows, k - 1 MTP drafts at 1 row, the repair at k + 1 rows.

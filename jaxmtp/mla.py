@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
 from jaxmtp.layers import Dtype, Linear, RMSNorm, normal_init
-from jaxmtp.layout import CHECKPOINT, Layout, up_projections
+from jaxmtp.layout import CHECKPOINT, Layout, prefix_lengths, up_projections
 from jaxmtp.quant import as_dense
 from jaxmtp.rope import apply_rope
 
@@ -55,16 +55,31 @@ class MLA(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, cache: MLACache | None = None):
         q_nope, q_pe = self.queries(x, positions)
         c_kv, k_pe = self.compress(x, positions)
+        attend = self.attend_absorbed if self.absorbed else self.attend_expanded
         if cache is None:
-            key_positions = positions
+            out = attend(q_nope, q_pe, c_kv, k_pe, positions[:, None, :] <= positions[:, :, None])  # [B, T, H, V]
         else:
             cache = cache.write(positions, c_kv, k_pe)
-            c_kv, k_pe = cache.c_kv.astype(x.dtype), cache.k_pe.astype(x.dtype)
-            key_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (x.shape[0], cache.max_len))
-        mask = key_positions[:, None, :] <= positions[:, :, None]  # [B, T, S]
-        attend = self.attend_absorbed if self.absorbed else self.attend_expanded
-        out = attend(q_nope, q_pe, c_kv, k_pe, mask)  # [B, T, H, V]
+            out = self.attend_cache(attend, q_nope, q_pe, cache, positions)
         return self.o_proj(out.reshape(out.shape[:2] + (-1,))), cache
+
+    def attend_cache(self, attend, q_nope, q_pe, cache, positions):
+        """`attend` over the cache: all its slots, or with `layout.prefix_attention` the shortest of
+        its `prefix_lengths` that holds every query position (one lax.switch branch per prefix);
+        slots past a query's position are masked either way. -> [B, T, H, V]"""
+        def over(length):
+            def branch(q_nope, q_pe, c_kv, k_pe):
+                mask = jnp.arange(length)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+                dtype = q_nope.dtype
+                return attend(q_nope, q_pe, c_kv[:, :length].astype(dtype), k_pe[:, :length].astype(dtype), mask)
+            return branch
+
+        lengths = prefix_lengths(cache.max_len) if self.layout.prefix_attention else (cache.max_len,)
+        operands = (q_nope, q_pe, cache.c_kv, cache.k_pe)
+        if len(lengths) == 1:
+            return over(lengths[0])(*operands)
+        shortest = jnp.searchsorted(jnp.asarray(lengths), positions.max(), side="right")
+        return jax.lax.switch(shortest, [over(n) for n in lengths], *operands)
 
     def queries(self, x, positions):
         """-> q_nope [B, T, H, N], q_pe [B, T, H, R] (rotated)."""

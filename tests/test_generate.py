@@ -11,6 +11,7 @@ import generation_models as gm
 import jaxmtp
 from jaxmtp.decoding import AUTO_SEGMENT, TRACES, advance, start
 from jaxmtp.generation import AUTO_MAX_K, prepare, unpack
+from jaxmtp.layout import prefix_lengths
 
 MAX_NEW = 12
 
@@ -48,6 +49,18 @@ def test_speculative_greedy_is_plain_greedy(kind, k, prompts, eos_at, stops_at):
     spec = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW, speculative_k=k, eos_token_id=eos,
                            stop_token_ids=stops)
     assert spec.tokens == plain.tokens
+
+
+def test_speculative_greedy_is_plain_greedy_across_cache_prefixes():
+    """Rows that run past the first cache prefix that the CPU decode layout attends over (256 of
+    512 slots): plain steps and 4-row verify passes cross it at different steps; same tokens."""
+    model = gm.model("partial")
+    assert model.decoding().layout.prefix_attention and prefix_lengths(512) == (256, 512)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, gm.TINY.vocab_size, n).tolist() for n in (236, 244)]  # 24 new tokens each
+    plain = jaxmtp.generate(model, prompts, max_new_tokens=24)
+    assert [len(row) for row in plain.tokens] == [24, 24]
+    assert jaxmtp.generate(model, prompts, max_new_tokens=24, speculative_k=3).tokens == plain.tokens
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -31,7 +31,7 @@ def test_forward_and_mtp_equal_the_checkpoint_layout(layout):
 def test_converted_parameters_are_the_checkpoint_tensors_rearranged():
     model = gm.model("random")
     dense = model.with_layout(decode_layout(model.config, model.params))
-    assert dense.layout == Layout(unrolled=True, split_experts=True, inputs_first=True)
+    assert dense.layout == Layout(unrolled=True, split_experts=True, inputs_first=True, prefix_attention=True)
     stacked, layer = model.params["moe_layers"]["layers"], dense.params["moe_layers"]["layers_2"]
     np.testing.assert_array_equal(layer["self_attn"]["q_b_proj"]["weight"], stacked["self_attn"]["q_b_proj"]["weight"][2].T)
     c = model.config  # kv_b_proj's rows are per head: N key rows, then V value rows
@@ -49,7 +49,7 @@ def test_fp8_kept_weights_are_only_unrolled_and_still_exact():
     model = gm.model("random")
     fp8 = jaxmtp.Model(model.config, quantize_params(model.params))
     layout = decode_layout(fp8.config, fp8.params)
-    assert layout == Layout(unrolled=True)
+    assert layout == Layout(unrolled=True, prefix_attention=True)
     converted = fp8.with_layout(layout)
     weight = converted.params["moe_layers"]["layers_0"]["self_attn"]["o_proj"]["weight"]
     assert isinstance(weight, QuantizedWeight) and weight.value.ndim == 2

@@ -7,6 +7,8 @@ import pytest
 
 import jaxmtp
 from jaxmtp.cache import MLACache, bytes_per_token
+from jaxmtp import layout
+from jaxmtp.layout import prefix_lengths
 from jaxmtp.mla import MLA
 from jaxmtp.params import module
 
@@ -56,6 +58,30 @@ def test_cached_absorbed_decode_equals_uncached_forward():
     for t in range(10, 16):
         step_logits, _, caches = apply(model.params, tokens[:, t:t + 1], positions[:, t:t + 1], caches, True)
         rows.append(step_logits)
+    assert _relative_error(jnp.concatenate(rows, axis=1), full_logits) <= 1e-5
+
+
+def test_prefix_attention_decode_equals_uncached_forward(monkeypatch):
+    """The CPU decode layout attends over the cache's shortest prefix that holds the query
+    positions (64, 128 or 256 of 256 slots here, with prefixes from 64 slots). Prefill 60 tokens,
+    then decode one by one, with a 3-row pass across slot 64 and one across slot 128: every logit
+    row equals the one-shot causal forward (checkpoint layout, no cache) over all 140 tokens."""
+    monkeypatch.setattr(layout, "SHORTEST_PREFIX", 64)  # read when `apply` below is traced
+    model = jaxmtp.init(CONFIG, seed=3)
+    decoding = model.decoding()
+    assert decoding.layout.prefix_attention and prefix_lengths(256) == (64, 128, 256)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, CONFIG.vocab_size, (2, 140)), jnp.int32)
+    full_logits, _ = model.forward(tokens)
+    caches = {g: tuple(MLACache.zeros(CONFIG, None, 2, 256) for _ in range(n)) for g, n in
+              (("dense", CONFIG.num_dense_layers), ("moe", CONFIG.num_moe_layers))}
+    positions = jnp.broadcast_to(jnp.arange(140), (2, 140))
+    apply = jax.jit(lambda p, t, pos, c, absorbed: module(CONFIG, absorbed=absorbed, layout=decoding.layout).apply(
+        {"params": p}, t, pos, c), static_argnums=4)
+    starts = [0, *range(60, 63), 63, *range(66, 126), 126, *range(129, 141)]  # chunk i: starts[i]..starts[i + 1] - 1
+    rows = []
+    for start, stop in zip(starts, starts[1:]):
+        logits, _, caches = apply(decoding.params, tokens[:, start:stop], positions[:, start:stop], caches, start > 0)
+        rows.append(logits)
     assert _relative_error(jnp.concatenate(rows, axis=1), full_logits) <= 1e-5
 
 

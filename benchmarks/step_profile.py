@@ -1,0 +1,75 @@
+"""Which kernels one decode step runs, and how long each kind takes, at T rows: the main forward
+of `decode_step.py`'s loop, traced by jax.profiler.
+
+XLA's CPU runtime records one event per kernel (thunk) it runs; the events are grouped by kind
+(the HLO name without its number: `dot`, `ynn_fusion`, `copy_bitcast_fusion`, ...) and printed per
+call: how many ran and their total microseconds. Conditionals (`cond...`) and loops contain other
+kernels and are left out of the sums. Tracing adds a little to every kernel, so the times read
+high; the counts are exact.
+
+    python benchmarks/step_profile.py [--rows 1,4] [--cache-len 128] [--calls 50] [--top 12]
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+
+import jax
+
+import jaxmtp
+from decode_step import step_loops
+from jaxmtp.decoding import Static, empty_caches
+from jaxmtp.sampling import SamplingMode
+
+CONTAINERS = ("cond", "while", "end:")  # events that hold other kernels' events
+
+
+def kernel_events(fn, args):
+    """{kind: (count, microseconds)} of the kernels one call of fn(*args) ran."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory, create_perfetto_trace=True):
+            jax.block_until_ready(fn(*args))
+        with gzip.open(glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)[0]) as f:
+            trace = json.load(f)
+    kinds = collections.defaultdict(lambda: [0, 0.0])
+    for event in trace["traceEvents"] if isinstance(trace, dict) else trace:
+        name = event.get("name", "")
+        if event.get("ph") != "X" or name.startswith(("$", "Thunk", "Pjit", "Common")) or "Execute" in name:
+            continue
+        kind = re.sub(r"(\.\d+)+$", "", re.sub(r"\.clone(\.\d+)*", "", name))
+        if kind.startswith(CONTAINERS):
+            continue
+        kinds[kind][0] += 1
+        kinds[kind][1] += event.get("dur", 0.0)
+    return kinds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=jaxmtp.DEMO_MODEL)
+    parser.add_argument("--rows", default="1,4")
+    parser.add_argument("--cache-len", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    model = jaxmtp.load(args.model, quiet=True).decoding()
+    static = Static(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0),
+                    cache_len=args.cache_len, layout=model.layout)
+    print(f"{args.model} on {jax.devices()[0].device_kind}, {model.layout}, cache {args.cache_len} slots: "
+          f"kernels per main forward (count, traced microseconds)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        main_loop, _ = step_loops(static, rows, args.calls)
+        kinds = kernel_events(jax.jit(main_loop), (model.params, empty_caches(static, 1)))
+        count, micros = (sum(v[i] for v in kinds.values()) / args.calls for i in (0, 1))
+        print(f"T={rows}: {count:.0f} kernels, {micros:.0f} us")
+        for kind, (n, us) in sorted(kinds.items(), key=lambda item: -item[1][1])[:args.top]:
+            print(f"  {kind:<40} {n / args.calls:7.1f} {us / args.calls:8.1f} us  ({us / n:.2f} us each)")
+
+
+if __name__ == "__main__":
+    main()
