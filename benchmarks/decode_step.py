@@ -6,14 +6,17 @@ T = 1 and once at T = k + 1 (the repair pass); plain decoding runs the main forw
 figures therefore bound the speedup a given acceptance can give on this machine.
 
     python benchmarks/decode_step.py [--model DIR | --config CONFIG_JSON] [--calls 200] [--rows 1,2,3,4,5]
-                                     [--experts decode|split|stacked]
+                                     [--cache-len 128] [--start 40] [--experts decode|split|stacked]
+                                     [--prefix-attention decode|on|off]
 
 --config times a model of that architecture with random weights (seed 0): how the cost of extra rows
 depends on a model's size and shape (e.g. weights too big for the CPU's caches, dense or MoE).
 The rows of a call carry different tokens, so that they route to different experts as text does.
 With PYTHONPATH pointing at an earlier checkout, the same loops time that checkout's engine.
 --experts forces the routed experts' arrangement of the decode layout (one conditional per expert,
-or the stack that few tokens gather from) instead of the one it picks for this platform.
+or the stack that few tokens gather from) instead of the one it picks for this platform, and
+--prefix-attention whether attention reads only a prefix of the cache (--start: the position of
+each call's first row, --cache-len: the slots).
 """
 
 import argparse
@@ -28,7 +31,10 @@ try:
     from jaxmtp.decoding import Static, empty_caches, main_forward, mtp_step
 except ImportError:  # an earlier engine (measuring a base tree), which named them so
     from jaxmtp.generation import Static, _empty_caches as empty_caches, _main as main_forward, _mtp as mtp_step
-from jaxmtp.params import parameter_counts
+try:
+    from jaxmtp.params import parameter_counts
+except ImportError:  # the engine of 479f24b kept it in jaxmtp.model
+    from jaxmtp.model import parameter_counts
 from jaxmtp.sampling import SamplingMode
 from timing import median_seconds
 
@@ -67,19 +73,21 @@ def step_loops(static, rows, calls, start=40):
     return main_loop, mtp_loop
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(parser):
+    """The model and the cache: what both this script and step_profile.py time."""
     parser.add_argument("--model", default=jaxmtp.DEMO_MODEL)
     parser.add_argument("--config", help="an HF config.json: random weights of that architecture instead of --model")
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--rows", default="1,2,3,4,5")
     parser.add_argument("--cache-len", type=int, default=128, help="cache slots (the bucket a generation would use)")
     parser.add_argument("--start", type=int, default=40, help="position of each call's first row")
     parser.add_argument("--prefix-attention", choices=("decode", "on", "off"), default="decode",
                         help="attention over a prefix of the cache as the decode layout picks it here, or forced")
     parser.add_argument("--experts", choices=("decode", "split", "stacked"), default="decode",
                         help="routed experts as the decode layout picks them here, or forced")
-    args = parser.parse_args()
+
+
+def decoding_model(args):
+    """The model of --model / --config in its decode layout, with what --experts and
+    --prefix-attention force."""
     if args.config:
         model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(args.config))
     else:
@@ -92,7 +100,16 @@ def main():
         layout = decode_layout(model.config, model.params)
         fields = {"split_experts" if name == "experts" else name: value for name, value in forced.items()}
         model = model.with_layout(dataclasses.replace(layout, **fields))
-    model = model.decoding() if hasattr(model, "decoding") else model
+    return model.decoding() if hasattr(model, "decoding") else model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rows", default="1,2,3,4,5")
+    args = parser.parse_args()
+    model = decoding_model(args)
     counts = parameter_counts(model.config)
     parameters = counts["main"] + counts["mtp_unique"]
     fields = dict(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0), cache_len=args.cache_len,

@@ -7,7 +7,8 @@ call: how many ran and their total microseconds. Conditionals (`cond...`) and lo
 kernels and are left out of the sums. Tracing adds a little to every kernel, so the times read
 high; the counts are exact.
 
-    python benchmarks/step_profile.py [--rows 1,4] [--cache-len 128] [--calls 50] [--top 12]
+    python benchmarks/step_profile.py [--rows 1,4] [--calls 50] [--top 12] [decode_step.py's model options:
+                                      --model/--config, --cache-len, --start, --prefix-attention, --experts]
 """
 
 import argparse
@@ -20,8 +21,7 @@ import tempfile
 
 import jax
 
-import jaxmtp
-from decode_step import step_loops
+from decode_step import add_model_arguments, decoding_model, step_loops
 from jaxmtp.decoding import Static, empty_caches
 from jaxmtp.sampling import SamplingMode
 
@@ -51,19 +51,18 @@ def kernel_events(fn, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=jaxmtp.DEMO_MODEL)
+    add_model_arguments(parser)
     parser.add_argument("--rows", default="1,4")
-    parser.add_argument("--cache-len", type=int, default=128)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
-    model = jaxmtp.load(args.model, quiet=True).decoding()
+    model = decoding_model(args)
     static = Static(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0),
                     cache_len=args.cache_len, layout=model.layout)
-    print(f"{args.model} on {jax.devices()[0].device_kind}, {model.layout}, cache {args.cache_len} slots: "
-          f"kernels per main forward (count, traced microseconds)")
+    print(f"{args.config or args.model} on {jax.devices()[0].device_kind}, {model.layout}, cache {args.cache_len} "
+          f"slots from position {args.start}: kernels per main forward (count, traced microseconds)")
     for rows in (int(r) for r in args.rows.split(",")):
-        main_loop, _ = step_loops(static, rows, args.calls)
+        main_loop, _ = step_loops(static, rows, args.calls, args.start)
         kinds = kernel_events(jax.jit(main_loop), (model.params, empty_caches(static, 1)))
         count, micros = (sum(v[i] for v in kinds.values()) / args.calls for i in (0, 1))
         print(f"T={rows}: {count:.0f} kernels, {micros:.0f} us")

@@ -109,10 +109,17 @@ class MLA(nn.Module):
         return jnp.einsum("bhts,bshv->bthv", probs, v)
 
     def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask):
-        # The cache is the left operand of the score product: contracting its minor (channel) axis
-        # there is a plain GEMM, whereas as the right operand XLA would transpose the whole cache first.
+        # XLA CPU copies the cache read here into a [C, S] layout for the score product on every
+        # step (30 copies per 1-row step of the demo; a channel-major cache or slot-major scores
+        # only moved a copy elsewhere), so prefix attention (jaxmtp.layout) bounds the slots copied.
         w_uk, w_uv = self.up_projections()
-        q_latent = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk.astype(q_nope.dtype))
+        # W_uk per head as one product batched over heads with the B*T rows as its M dimension:
+        # written as bthn,hnc->bthc, XLA CPU emitted its own loop for 2+ rows instead of a library
+        # product (the demo's 4-row main forward took 1.2x the time; 1 row the same).
+        b, t, h, n = q_nope.shape
+        rows = q_nope.reshape(b * t, h, n).transpose(1, 0, 2)  # [H, B*T, N]
+        q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
+        q_latent = q_latent.transpose(1, 0, 2).reshape(b, t, h, -1)  # [B, T, H, C]
         scores = jnp.einsum("bsc,bthc->bhts", c_kv, q_latent) + jnp.einsum("bsr,bthr->bhts", k_pe, q_pe)
         probs = self.softmax(scores, mask).astype(c_kv.dtype)
         out_latent = jnp.einsum("bhts,bsc->bthc", probs, c_kv)
