@@ -38,12 +38,13 @@ def _seconds(runs: list[Prepared], prefill_only: bool = False) -> float:
 def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens: int = 64, repeats: int = 3,
         eos_token_id: int | None = None, auto: bool = True) -> list[dict]:
     """One row per configuration: k = 0 first, then `ks`, then "auto": tokens/s (total and decode
-    only), speedups over k = 0, acceptance figures, the round cost in plain steps (from the
+    only; medians), speedups over k = 0 (the median of each repeat's ratio), acceptance figures, the round cost in plain steps (from the
     calibration that auto uses), the ideal speedup that the measured acceptance and costs allow
     (mean accepted length / round cost; for auto, the best of the fixed k), and achieved / ideal.
 
     Every configuration is compiled and run once first; then the timed repeats go round all of
-    them in turn, so that slow drifts of a shared machine hit each alike. Raises AssertionError if
+    them in turn, so that slow drifts of a shared machine hit each alike; a speedup pairs the
+    times of one repeat, which ran within seconds of each other. Raises AssertionError if
     any speculative output differs from plain greedy decoding.
     """
     configs = [0, *ks] + (["auto"] if auto and model.config.has_mtp else [])
@@ -57,15 +58,21 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
                 prefill_seconds[k].append(_seconds(runs[k], prefill_only=True))
     costs = _round_costs(runs)
     rows = [_row(k, outputs[k], outputs[0], totals[k], prefill_seconds[k], len(prompts), costs) for k in configs]
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
-        r["decode_speedup"] = r["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+    decode_seconds = {k: [t - p for t, p in zip(totals[k], prefill_seconds[k])] for k in configs}
+    for r, k in zip(rows, configs):  # the same tokens (asserted): time ratios are rate ratios
+        r["speedup"] = _paired_speedup(totals[0], totals[k])
+        r["decode_speedup"] = _paired_speedup(decode_seconds[0], decode_seconds[k])
     fixed = [r["ideal_speedup"] for r in rows if r["k"] != "auto"]
     for r in rows:
         if r["k"] == "auto":
             r["ideal_speedup"] = max(fixed)
         r["achieved_over_ideal"] = r["decode_speedup"] / r["ideal_speedup"]
     return rows
+
+
+def _paired_speedup(plain: list[float], other: list[float]) -> float:
+    """The median over repeats of plain decoding's seconds / the other configuration's."""
+    return statistics.median(p / max(o, 1e-9) for p, o in zip(plain, other))
 
 
 def _round_costs(runs) -> list[float] | None:

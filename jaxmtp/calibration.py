@@ -5,17 +5,18 @@ decoding depends on the device, the model (config, dtype, parameter layout), the
 the shapes (batch, prompt and cache buckets), hardly on the text. `generate(speculative_k="auto")`
 measures it the first time it meets such a combination, by running its own compiled loop with k
 forced to each value, and the plain decoding loop for the unit; it stores the figures in a JSON
-file keyed by all of the above and by the jax version. The file lives in $JAXMTP_CACHE_DIR
-(default ~/.cache/jaxmtp).
+file keyed by all of the above, the jax version and a digest of jaxmtp's own source, so that
+costs measured by other code (an upgrade, an edit) are measured again. The file lives in
+$JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
 
 The unit is the plain loop's step, not the auto loop's own round at k = 0: the auto loop passes its
 whole state through a switch between its round variants, which makes its k = 0 round dearer than
-a step of the plain loop (1.0-1.25x for the demo model on a 2-core CPU). Measured against its own
-k = 0 round, every cost read that much too low, and auto speculated where the plain loop was faster.
+a step of the plain loop (1.0-1.25x for the demo model on a 2-core CPU).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import jax
 
 FILE = "round_costs.json"
-UNIT = "unit: plain loop step"  # part of every key: costs measured in another unit are not reused
+PACKAGE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 48  # timed rounds per k
 REPEATS = 5
 
@@ -35,13 +36,32 @@ def cache_dir() -> str:
     return os.environ.get("JAXMTP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxmtp")
 
 
+def source_digest(root: str) -> str:
+    """A digest of the Python sources under `root`, names and contents."""
+    digest = hashlib.sha256()
+    for directory, subdirectories, files in os.walk(root):
+        subdirectories.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(directory, name)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def engine_digest() -> str:
+    """The digest of jaxmtp's own sources, read once per process."""
+    return source_digest(PACKAGE)
+
+
 def key(config_json: dict, dtype, layout, mode, batch: int, prompt_len: int, cache_len: int, k_max: int) -> str:
     """Everything the costs depend on, as one string (the model config by its digest)."""
     device = jax.devices()[0]
     digest = hashlib.sha256(json.dumps(config_json, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return (f"{device.platform}:{device.device_kind}:n{jax.device_count()}|jax {jax.__version__}|{digest}|"
             f"{jax.numpy.dtype(dtype).name}|{layout}|{mode}|batch {batch}|prompt {prompt_len}|cache {cache_len}|"
-            f"k<={k_max}|{UNIT}")
+            f"k<={k_max}|jaxmtp {engine_digest()}")
 
 
 def _read() -> dict:

@@ -1,6 +1,7 @@
 """jaxmtp.generate: speculative greedy == plain greedy, acceptance statistics, one compile per bucket."""
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -314,3 +315,16 @@ def test_round_costs_are_measured_once_and_kept(tmp_path, monkeypatch):
     assert (tmp_path / calibration.FILE).exists()
     (tmp_path / calibration.FILE).write_text("not json")  # a damaged file is measured again
     assert calibration.round_costs(key, plain_seconds, round_seconds, 2) == pytest.approx(first) and len(calls) > count
+
+
+def test_round_costs_are_keyed_by_the_code_that_measured_them(tmp_path):
+    """An upgrade or an edit of jaxmtp changes the key, so its costs are measured again."""
+    from jaxmtp import calibration
+
+    (tmp_path / "engine.py").write_text("STEP = 1\n")
+    before = calibration.source_digest(str(tmp_path))
+    (tmp_path / "engine.py").write_text("STEP = 2\n")
+    assert calibration.source_digest(str(tmp_path)) != before
+    assert calibration.engine_digest() == calibration.source_digest(os.path.dirname(jaxmtp.__file__))
+    key = calibration.key({"hidden_size": 8}, "float32", "layout", "greedy", 1, 16, 64, 4)
+    assert key.endswith(f"jaxmtp {calibration.engine_digest()}")
