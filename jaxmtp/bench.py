@@ -38,9 +38,10 @@ def _seconds(runs: list[Prepared], prefill_only: bool = False) -> float:
 def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens: int = 64, repeats: int = 3,
         eos_token_id: int | None = None, auto: bool = True) -> list[dict]:
     """One row per configuration: k = 0 first, then `ks`, then "auto": tokens/s (total and decode
-    only; medians), speedups over k = 0 (the median of each repeat's ratio), acceptance figures, the round cost in plain steps (from the
-    calibration that auto uses), the ideal speedup that the measured acceptance and costs allow
-    (mean accepted length / round cost; for auto, the best of the fixed k), and achieved / ideal.
+    only; medians), speedups over k = 0 (the median of each repeat's ratio), acceptance figures,
+    the round cost in plain steps (from the calibration that auto uses), the ideal speedup that
+    the measured acceptance and costs allow (mean accepted length / round cost; for auto, the best
+    of the fixed k), and achieved / ideal.
 
     Every configuration is compiled and run once first; then the timed repeats go round all of
     them in turn, so that slow drifts of a shared machine hit each alike; a speedup pairs the

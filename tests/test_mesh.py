@@ -40,6 +40,16 @@ def test_sharded_model_matches_single_device(single, sizes):
         assert jaxmtp.generate(sharded, PROMPTS, max_new_tokens=10, speculative_k=k).tokens == want, k
 
 
+def test_prefix_attention_on_a_mesh(single):
+    """Rows split over `data` that run past the first cache prefix (256 of 512 slots) on a
+    (2, 2, 2) mesh, speculating: the tokens of one device."""
+    sharded = _on_mesh(single, (2, 2, 2))
+    assert sharded.decoding().layout.prefix_attention
+    prompts = [list(range(1, 241)), list(range(2, 250))]
+    want = jaxmtp.generate(single, prompts, max_new_tokens=20, speculative_k=2).tokens
+    assert jaxmtp.generate(sharded, prompts, max_new_tokens=20, speculative_k=2).tokens == want
+
+
 def test_parameters_are_sharded_by_the_rules():
     mesh = make_mesh(data=1, expert=2, tensor=4)
     model = jaxmtp.init(CONFIG, seed=0, mesh=mesh)
