@@ -39,7 +39,6 @@ from jaxmtp.sampling import SamplingMode
 from timing import median_seconds
 
 
-
 def microseconds_per_call(loop, args, calls):
     return median_seconds(jax.jit(loop), args, repeats=5) / calls * 1e6
 

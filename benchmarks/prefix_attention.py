@@ -5,7 +5,8 @@ shortest power-of-two prefix of the cache that holds its positions) and once wit
 whole cache bucket), the same parameters otherwise. For each --new-tokens (each its own cache
 bucket: 32-token prompt + new tokens rounded up to a power of two), both run the same held-out
 prompts (batch 1, greedy, each prompt alone) alternately in this one process, --repeats times;
-printed: median tokens/s of each and the ratio, and whether their tokens were identical.
+printed: median tokens/s of each, the median of each repeat's ratio on / off, and whether their
+tokens were identical.
 
     python benchmarks/prefix_attention.py [--new-tokens 64,200,450,900] [--k 0] [--repeats 5]
 """
@@ -68,8 +69,9 @@ def main():
                 seconds, count, tokens[name] = timed(loops[name])
                 rates[name].append(count / seconds)
         off, on = (statistics.median(rates[name]) for name in ("off", "on"))
+        ratio = statistics.median(a / b for a, b in zip(rates["on"], rates["off"]))
         bucket = generation.bucket(32 + new + args.k + 1, 64)
-        print(f"{new:>5} {bucket:>6} {off:>8.0f} {on:>8.0f} {on / off:>6.2f}x  {tokens['on'] == tokens['off']}",
+        print(f"{new:>5} {bucket:>6} {off:>8.0f} {on:>8.0f} {ratio:>6.2f}x  {tokens['on'] == tokens['off']}",
               flush=True)
 
 

@@ -23,8 +23,9 @@ class MLA(nn.Module):
     """Args of __call__:
       x: [B, T, D] normed input; positions: [B, T] absolute positions.
       cache: one layer's MLACache ([B, S, ...]) or None. With a cache, the new entries are written at
-        `positions` and attention reads the whole cache, masked to key position <= query position.
-        Without one, the T tokens attend causally among themselves.
+        `positions` and attention reads the cache (with `layout.prefix_attention` its shortest
+        prefix that holds the positions), masked to key position <= query position. Without one,
+        the T tokens attend causally among themselves.
     Returns: ([B, T, D] output, updated cache or None).
     """
 
@@ -110,12 +111,12 @@ class MLA(nn.Module):
 
     def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask):
         # XLA CPU copies the cache read here into a [C, S] layout for the score product on every
-        # step (30 copies per 1-row step of the demo; a channel-major cache or slot-major scores
-        # only moved a copy elsewhere), so prefix attention (jaxmtp.layout) bounds the slots copied.
+        # step (at 1024 slots 30% of the demo's 1-row step; a channel-major cache or slot-major
+        # scores only moved a copy elsewhere), so prefix attention (jaxmtp.layout) bounds the slots.
         w_uk, w_uv = self.up_projections()
         # W_uk per head as one product batched over heads with the B*T rows as its M dimension:
         # written as bthn,hnc->bthc, XLA CPU emitted its own loop for 2+ rows instead of a library
-        # product (the demo's 4-row main forward took 1.2x the time; 1 row the same).
+        # product (the demo's 4-row main forward took about 1.15x the time; 1 row the same).
         b, t, h, n = q_nope.shape
         rows = q_nope.reshape(b * t, h, n).transpose(1, 0, 2)  # [H, B*T, N]
         q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
