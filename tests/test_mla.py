@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import jaxmtp
-from jaxmtp.cache import MLACache, bytes_per_token
 from jaxmtp import layout
+from jaxmtp.cache import MLACache, bytes_per_token
 from jaxmtp.layout import prefix_lengths
 from jaxmtp.mla import MLA
 from jaxmtp.params import module
