@@ -1,11 +1,10 @@
 """What the round-cost calibration of speculative_k="auto" costs, and how steady its figures are.
 
 Loads the demo model, compiles the auto loop and the plain loop for one prompt's buckets (not
-timed), then calibrates
---repeats times, each with an empty JAXMTP_CACHE_DIR (as on a new machine); prints each
-calibration's seconds and round costs (k = 0..4, in plain steps), whether they make auto start
-with plain decoding or speculation, and the medians. With --tree, the jaxmtp of another checkout is measured
-(for before/after: run it once on each tree, alternately).
+timed), then calibrates --repeats times, each with an empty JAXMTP_CACHE_DIR (as on a new
+machine); prints each calibration's seconds and round costs (k = 0..4, in plain steps), whether
+they make auto start with plain decoding or speculation, and the medians. With --tree, the jaxmtp
+of another checkout is measured (for before/after: run it once on each tree, alternately).
 
     python benchmarks/calibration.py [--repeats 5] [--tree DIR]
 """

@@ -102,6 +102,13 @@ def decoding_model(args):
     return model.decoding() if hasattr(model, "decoding") else model
 
 
+def plain_static(model, cache_len):
+    """The decoding loop's static configuration for plain greedy steps over `cache_len` slots."""
+    fields = dict(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0), cache_len=cache_len,
+                  layout=getattr(model, "layout", None))  # an earlier engine's Static has no layout
+    return Static(**{name: value for name, value in fields.items() if name in Static.__dataclass_fields__})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser)
@@ -111,9 +118,7 @@ def main():
     model = decoding_model(args)
     counts = parameter_counts(model.config)
     parameters = counts["main"] + counts["mtp_unique"]
-    fields = dict(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0), cache_len=args.cache_len,
-                  layout=getattr(model, "layout", None))  # an earlier engine's Static has no layout
-    static = Static(**{name: value for name, value in fields.items() if name in Static.__dataclass_fields__})
+    static = plain_static(model, args.cache_len)
     print(f"{args.config or args.model} ({parameters / 1e6:.1f}M parameters, {model.dtype.name}) on "
           f"{jax.devices()[0].device_kind}, {getattr(model, 'layout', 'checkpoint layout')}: microseconds per call, "
           f"median of 5 loops of {args.calls} calls")

@@ -21,9 +21,8 @@ import tempfile
 
 import jax
 
-from decode_step import add_model_arguments, decoding_model, step_loops
-from jaxmtp.decoding import Static, empty_caches
-from jaxmtp.sampling import SamplingMode
+from decode_step import add_model_arguments, decoding_model, plain_static, step_loops
+from jaxmtp.decoding import empty_caches
 
 CONTAINERS = ("cond", "while", "end:")  # events that hold other kernels' events
 
@@ -57,8 +56,7 @@ def main():
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
     model = decoding_model(args)
-    static = Static(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0),
-                    cache_len=args.cache_len, layout=model.layout)
+    static = plain_static(model, args.cache_len)
     print(f"{args.config or args.model} on {jax.devices()[0].device_kind}, {model.layout}, cache {args.cache_len} "
           f"slots from position {args.start}: kernels per main forward (count, traced microseconds)")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -18,8 +18,8 @@ its parameters in whichever layout it is given (`layout` attribute), so the mode
   query position (SHORTEST_PREFIX slots, doubling up to the whole cache; one `lax.switch` branch
   per prefix in each layer), not over the whole cache bucket, so the first steps of a long
   generation do not pay for the slots they have not reached (the demo's 900-token generations,
-  a 1024-slot cache: 1.38-1.42x the tokens/s). Not a parameter arrangement, but chosen with the others
-  per platform: CPU only, for the reason split_experts is.
+  a 1024-slot cache: 1.38-1.42x the tokens/s). Not a parameter arrangement, but chosen with the
+  others per platform: CPU only, for the reason split_experts is.
 - inputs_first: dense projection weights stored [in, out], multiplied as x @ W. For two or more
   rows XLA's CPU GEMM re-packs an [out, in] weight on every call (x[4, 128] times a 512 x 128
   weight: 11.7 us vs 3.8 us stored [in, out], on a 2-core Xeon). kv_b_proj is only read as per-head

@@ -17,7 +17,8 @@ class GenerationStats:
     (draft tokens), accepted_at[row][i] (rounds in which draft i+1 was accepted), rounds_at[row][k]
     (rounds run at k). steps: main forward passes of the batch, the prefill's included.
     round_costs: with speculative_k="auto", the calibrated cost of a round of the auto loop at
-    k = 0.. in steps of the plain loop (else None). `stats["acceptance_rate"]` and the like read the properties."""
+    k = 0.. in steps of the plain loop (else None). `stats["acceptance_rate"]` and the like read the
+    properties."""
 
     rounds: tuple[int, ...]
     drafted: tuple[int, ...]
