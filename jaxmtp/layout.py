@@ -8,8 +8,9 @@ its parameters in whichever layout it is given (`layout` attribute), so the mode
   A scanned stack slices each layer's weights and cache out of the stacked arrays on every step
   and writes the cache back.
 - split_experts: a layer's routed expert weights as a tuple of E arrays, so that each expert a
-  token chose runs on that expert's own buffers (`lax.cond` per expert), with no gather or slice
-  of the stack (a slice of an operand is a copy in XLA: 3x the time for one token of the demo).
+  token chose runs on that expert's own buffers (one `lax.switch` per expert: not at all, on the
+  one row that chose it, or on all rows), with no gather or slice of the stack (a slice of an
+  operand is a copy in XLA: 3x the time for one token of the demo).
   CPU only: XLA:GPU copies every conditional's predicate to the host and waits for it before it
   launches a branch (its ConditionalThunk), so E experts x L layers of conditionals would stall a
   GPU step L x E times; there the experts stay stacked and few tokens gather their experts'

@@ -124,16 +124,28 @@ class Experts(nn.Module):
 
 
 def split_experts(x, weights, experts, gate, up, down, inputs_first):
-    """Routed experts on their own weights (split layout): each expert that some token chose runs
-    over all N tokens (lax.cond skips the others), and each token keeps its own experts' outputs,
-    weighted. With few tokens (decode) only the experts they chose run, each over all N rows; with
-    many (prefill) every expert runs over every token, E / K times the routed FLOPs, which the few
-    experts of a split layout keep small. x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights -> [N, D]."""
+    """Routed experts on their own weights (split layout): each expert runs only if some token
+    chose it (one lax.switch per expert), on the one row that chose it or else on all N rows, and
+    each token keeps its own experts' outputs, weighted. In a decode step only the chosen experts
+    run; one row costs a 1-row product, about half a multi-row one at the demo's widths
+    (benchmarks/row_products.py). With many tokens (prefill) most experts run over every token,
+    up to E / K times the routed FLOPs, which the few experts of a split layout keep small.
+    x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights -> [N, D]."""
     combine = (jax.nn.one_hot(experts, len(gate), dtype=x.dtype) * weights[..., None].astype(x.dtype)).sum(axis=1)
+    chosen = combine != 0  # [N, E]
     out = jnp.zeros_like(x)
     for e, (g, u, d) in enumerate(zip(gate, up, down)):
-        run = lambda out, e=e, g=g, u=u, d=d: out + combine[:, e:e + 1] * swiglu(x, g, u, d, inputs_first)  # noqa: E731
-        out = jax.lax.cond(combine[:, e].any(), run, lambda out: out, out)
+        def every_row(out, e=e, g=g, u=u, d=d):
+            return out + combine[:, e:e + 1] * swiglu(x, g, u, d, inputs_first)
+
+        def one_row(out, e=e, g=g, u=u, d=d):
+            row = jnp.argmax(chosen[:, e])
+            y = combine[row, e] * swiglu(jax.lax.dynamic_slice_in_dim(x, row, 1), g, u, d, inputs_first)
+            return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, row, 1) + y, row, 0)
+
+        branches = (lambda out: out, every_row) if x.shape[0] == 1 else (lambda out: out, one_row, every_row)
+        rows = jnp.minimum(chosen[:, e].sum(), len(branches) - 1)  # 0, 1 or (several rows) 2
+        out = jax.lax.switch(rows, branches, out)
     return out
 
 

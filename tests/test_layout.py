@@ -89,12 +89,14 @@ def test_split_experts_match_the_per_token_formula():
     from jaxmtp.moe import split_experts
 
     rng = np.random.default_rng(0)
+    rows_per_expert = set()  # each expert runs on no row, one row, or all rows
     for tokens in (1, 3, 9):
         x = rng.normal(size=(tokens, 16)).astype(np.float32)
         gate, up = (rng.normal(size=(8, 8, 16)).astype(np.float32) for _ in range(2))
         down = rng.normal(size=(8, 16, 8)).astype(np.float32)
         experts = np.stack([rng.choice(8, 2, replace=False) for _ in range(tokens)]).astype(np.int32)
         weights = rng.uniform(0.1, 2.0, (tokens, 2)).astype(np.float32)
+        rows_per_expert |= {(tokens > 1, min(n, 2)) for n in np.bincount(experts.ravel(), minlength=8)}
         want = reference_experts(x, weights, experts, gate, up, down)
         for inputs_first in (False, True):
             arrange = (lambda w: tuple(jnp.asarray(e.T) for e in w)) if inputs_first else \
@@ -102,6 +104,7 @@ def test_split_experts_match_the_per_token_formula():
             got = jax.jit(split_experts, static_argnums=6)(x, weights, experts, arrange(gate), arrange(up), arrange(down),
                                                             inputs_first)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert rows_per_expert >= {(True, 0), (True, 1), (True, 2)}, rows_per_expert  # every branch of several rows ran
 
 
 def test_save_refuses_the_decode_layout(tmp_path):
