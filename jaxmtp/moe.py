@@ -127,7 +127,7 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
     """Routed experts on their own weights (split layout): each expert runs only if some token
     chose it (one lax.switch per expert), on the one row that chose it or else on all N rows, and
     each token keeps its own experts' outputs, weighted. In a decode step only the chosen experts
-    run; one row costs a 1-row product, about half a multi-row one at the demo's widths
+    run; on one row its products cost about 0.6x the 4-row ones at the demo's widths
     (benchmarks/row_products.py). With many tokens (prefill) most experts run over every token,
     up to E / K times the routed FLOPs, which the few experts of a split layout keep small.
     x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights -> [N, D]."""
