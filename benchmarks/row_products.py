@@ -4,8 +4,8 @@ expert's, the dense MLP's, and the output head's.
 
 Each figure is a jitted fori_loop of `--chain` dependent pairs over distinct weights (so that the
 loop measures the products, not dispatch), median of --repeats, in microseconds per pair.
-The routed experts of the split layout (jaxmtp.moe.split_experts) run an expert that one row
-chose on that row alone because of the first column of ratios.
+The split layout's routed experts (jaxmtp.moe.split_experts) run an expert that one row chose on
+that row alone: the T=1 column against the others is what that saves per pair.
 
     python benchmarks/row_products.py [--model DIR | --config CONFIG_JSON] [--rows 1,2,4,5] [--repeats 7]
 """

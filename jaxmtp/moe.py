@@ -143,6 +143,7 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
             y = combine[row, e] * swiglu(jax.lax.dynamic_slice_in_dim(x, row, 1), g, u, d, inputs_first)
             return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, row, 1) + y, row, 0)
 
+        # One token in all (a plain decode step): all rows are that row, so no slicing branch.
         branches = (lambda out: out, every_row) if x.shape[0] == 1 else (lambda out: out, one_row, every_row)
         rows = jnp.minimum(chosen[:, e].sum(), len(branches) - 1)  # 0, 1 or (several rows) 2
         out = jax.lax.switch(rows, branches, out)
