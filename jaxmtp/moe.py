@@ -133,20 +133,22 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
     x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights -> [N, D]."""
     combine = (jax.nn.one_hot(experts, len(gate), dtype=x.dtype) * weights[..., None].astype(x.dtype)).sum(axis=1)
     chosen = combine != 0  # [N, E]
+    # One token in all (a plain decode step): all rows are that row, so no one-row branch.
+    single = x.shape[0] == 1
+    branch = jnp.minimum(chosen.sum(axis=0), 1 if single else 2)  # [E]: no row 0, one row 1, several 2
+    row = jnp.argmax(chosen, axis=0)  # [E]: the row that chose the expert, where one did
     out = jnp.zeros_like(x)
     for e, (g, u, d) in enumerate(zip(gate, up, down)):
         def every_row(out, e=e, g=g, u=u, d=d):
             return out + combine[:, e:e + 1] * swiglu(x, g, u, d, inputs_first)
 
         def one_row(out, e=e, g=g, u=u, d=d):
-            row = jnp.argmax(chosen[:, e])
-            y = combine[row, e] * swiglu(jax.lax.dynamic_slice_in_dim(x, row, 1), g, u, d, inputs_first)
-            return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, row, 1) + y, row, 0)
+            # Broadcast to all rows: combine[:, e] is 0 on every row but this one (no slice written back).
+            y = swiglu(jax.lax.dynamic_slice_in_dim(x, row[e], 1), g, u, d, inputs_first)
+            return out + combine[:, e:e + 1] * y
 
-        # One token in all (a plain decode step): all rows are that row, so no slicing branch.
-        branches = (lambda out: out, every_row) if x.shape[0] == 1 else (lambda out: out, one_row, every_row)
-        rows = jnp.minimum(chosen[:, e].sum(), len(branches) - 1)  # 0, 1 or (several rows) 2
-        out = jax.lax.switch(rows, branches, out)
+        branches = (lambda out: out, every_row) if single else (lambda out: out, one_row, every_row)
+        out = jax.lax.switch(branch[e], branches, out)
     return out
 
 
