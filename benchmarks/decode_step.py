@@ -8,6 +8,12 @@ figures therefore bound the speedup a given acceptance can give on this machine.
     python benchmarks/decode_step.py [--model DIR | --config CONFIG_JSON] [--calls 200] [--rows 1,2,3,4,5]
                                      [--cache-len 128] [--start 40] [--experts decode|split|stacked]
                                      [--prefix-attention decode|on|off]
+    python benchmarks/decode_step.py --base 479f24b [--rows 1,4] [--calls 100] [--pairs 21] [model options]
+
+--base REV times this tree's main forward against that commit's instead (each in its own worker
+process, --pairs turns each, alternating) and prints each figure's per-pair ratio to the base's
+step at the fewest rows: the comparison that a machine whose speed drifts from one minute to the
+next still answers (runs of the two engines minutes apart can differ 2x on a shared machine).
 
 --config times a model of that architecture with random weights (seed 0): how the cost of extra rows
 depends on a model's size and shape (e.g. weights too big for the CPU's caches, dense or MoE).
@@ -21,6 +27,8 @@ each call's first row, --cache-len: the slots).
 
 import argparse
 import dataclasses
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +44,7 @@ try:
 except ImportError:  # the engine of 479f24b kept it in jaxmtp.model
     from jaxmtp.model import parameter_counts
 from jaxmtp.sampling import SamplingMode
+from alternate import ROOT, ask, checkout, serve, start_worker, stop
 from timing import median_seconds
 
 
@@ -109,12 +118,67 @@ def plain_static(model, cache_len):
     return Static(**{name: value for name, value in fields.items() if name in Static.__dataclass_fields__})
 
 
+def worker(args):
+    """Compiles the main loop at each of --rows, then times one run of each per request."""
+    model = decoding_model(args)
+    static = plain_static(model, args.cache_len)
+    loops = {}
+    for rows in (int(r) for r in args.rows.split(",")):
+        loop = jax.jit(step_loops(static, rows, args.calls, args.start)[0])
+        loops[rows] = (loop, (model.params, empty_caches(static, 1)))
+        jax.block_until_ready(loop(*loops[rows][1]))
+
+    def answer(_):
+        micros = {}
+        for rows, (loop, loop_args) in loops.items():
+            start = time.perf_counter()
+            jax.block_until_ready(loop(*loop_args))
+            micros[rows] = (time.perf_counter() - start) / args.calls * 1e6
+        return micros
+
+    serve(answer)
+
+
+def compare(args):
+    """This tree's main forward against --base's, alternating; ratios per pair of runs."""
+    forwarded = ["--model", args.model, "--rows", args.rows, "--calls", str(args.calls), "--cache-len",
+                 str(args.cache_len), "--start", str(args.start)] + (["--config", args.config] if args.config else [])
+    with checkout(args.base) as base_tree:
+        engines = {"base": start_worker(__file__, base_tree, forwarded), "this": start_worker(__file__, ROOT, forwarded)}
+        runs = {name: [] for name in engines}
+        for _ in range(args.pairs):
+            for name, proc in engines.items():
+                runs[name].append(ask(proc, "run"))
+        stop(engines.values())
+    rows = args.rows.split(",")  # JSON keys
+    unit = [run[rows[0]] for run in runs["base"]]
+    print(f"main forward, us per call (median of {args.pairs} alternating runs of {args.calls} calls); ratios: "
+          f"median [quartiles] over the pairs of runs; unit = {args.base}'s T={rows[0]} step")
+    for t in rows:
+        this, base = ([run[t] for run in runs[name]] for name in ("this", "base"))
+        print(f"T={t}: {args.base} {statistics.median(base):8.1f}   this {statistics.median(this):8.1f}   "
+              f"this / {args.base} T={t} {_spread([a / b for a, b in zip(this, base)])}   "
+              f"this / unit {_spread([a / u for a, u in zip(this, unit)])}")
+
+
+def _spread(ratios):
+    q = statistics.quantiles(ratios, n=4)
+    return f"{statistics.median(ratios):.3f} [{q[0]:.3f}-{q[2]:.3f}]"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rows", default="1,2,3,4,5")
+    parser.add_argument("--base", help="an earlier commit: time this tree's main forward against it, alternating")
+    parser.add_argument("--pairs", type=int, default=21)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.base:
+        return compare(args)
     model = decoding_model(args)
     counts = parameter_counts(model.config)
     parameters = counts["main"] + counts["mtp_unique"]

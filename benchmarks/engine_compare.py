@@ -12,16 +12,11 @@ decode only (the prefill timed apart with max_new_tokens=1 and subtracted), and 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from alternate import ROOT, ask, checkout, serve, start_worker, stop
 
 
 def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int]):
@@ -62,29 +57,14 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
 
     full = {k: compiled(k, max_new_tokens) for k in ks}
     first = {k: compiled(k, 1) for k in ks}
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        k = int(line.split()[1])
+
+    def answer(request):
+        k = int(request.split()[1])
         total, counts = seconds(full[k])
         prefill, _ = seconds(first[k])
-        tokens = sum(counts)
-        print(json.dumps({"seconds": total, "prefill_seconds": prefill, "tokens": tokens, "prompts": len(prompts)}),
-              flush=True)
+        return {"seconds": total, "prefill_seconds": prefill, "tokens": sum(counts), "prompts": len(prompts)}
 
-
-def start_worker(tree: str, args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=tree)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--prompts", str(args.prompts),
-           "--prompt-len", str(args.prompt_len), "--max-new-tokens", str(args.max_new_tokens), "--ks", args.ks]
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert json.loads(proc.stdout.readline())["ready"], f"worker in {tree} did not start"
-    return proc
-
-
-def ask(proc: subprocess.Popen, k: int) -> dict:
-    proc.stdin.write(f"run {k}\n")
-    proc.stdin.flush()
-    return json.loads(proc.stdout.readline())
+    serve(answer)
 
 
 def main():
@@ -100,22 +80,17 @@ def main():
     ks = [int(k) for k in args.ks.split(",")]
     if args.worker:
         return worker(args.prompts, args.prompt_len, args.max_new_tokens, ks)
-    with tempfile.TemporaryDirectory() as tmp:
-        base_tree = os.path.join(tmp, "base")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", base_tree, args.base], check=True,
-                       capture_output=True)
-        try:
-            engines = {"base": start_worker(base_tree, args), "this": start_worker(ROOT, args)}
-            runs = {(name, k): [] for name in engines for k in ks}
-            for _ in range(args.repeats):
-                for k in ks:
-                    for name, proc in engines.items():
-                        runs[name, k].append(ask(proc, k))
-            for proc in engines.values():
-                proc.stdin.close()
-                proc.wait()
-        finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_tree], capture_output=True)
+    worker_args = ["--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
+                   "--max-new-tokens", str(args.max_new_tokens), "--ks", args.ks]
+    with checkout(args.base) as base_tree:
+        engines = {"base": start_worker(__file__, base_tree, worker_args),
+                   "this": start_worker(__file__, ROOT, worker_args)}
+        runs = {(name, k): [] for name in engines for k in ks}
+        for _ in range(args.repeats):
+            for k in ks:
+                for name, proc in engines.items():
+                    runs[name, k].append(ask(proc, f"run {k}"))
+        stop(engines.values())
     print(f"demo model, {args.prompts} held-out prompts of {args.prompt_len} tokens, batch 1, greedy, "
           f"{args.max_new_tokens} new tokens; median of {args.repeats} alternating runs; base = {args.base}")
     print(f"{'k':>2} {'engine':>6} {'tokens/s':>9} {'decode tok/s':>13}")
