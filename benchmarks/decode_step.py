@@ -10,9 +10,9 @@ figures therefore bound the speedup a given acceptance can give on this machine.
                                      [--prefix-attention decode|on|off]
     python benchmarks/decode_step.py --base 479f24b [--rows 1,4] [--calls 100] [--pairs 21] [model options]
 
---base REV times this tree's main forward against that commit's instead (each in its own worker
-process, --pairs turns each, alternating) and prints each figure's per-pair ratio to the base's
-step at the fewest rows: the comparison that a machine whose speed drifts from one minute to the
+--base REV times this tree's main forward against that commit's instead (each engine in the layout
+it picks, in its own worker process, --pairs turns each, alternating) and prints each figure's
+per-pair ratio to the base's step at the fewest rows: the comparison that a machine whose speed drifts from one minute to the
 next still answers (runs of the two engines minutes apart can differ 2x on a shared machine).
 
 --config times a model of that architecture with random weights (seed 0): how the cost of extra rows
@@ -150,7 +150,7 @@ def compare(args):
             for name, proc in engines.items():
                 runs[name].append(ask(proc, "run"))
         stop(engines.values())
-    rows = args.rows.split(",")  # JSON keys
+    rows = sorted(args.rows.split(","), key=int)  # as JSON keys
     unit = [run[rows[0]] for run in runs["base"]]
     print(f"main forward, us per call (median of {args.pairs} alternating runs of {args.calls} calls); ratios: "
           f"median [quartiles] over the pairs of runs; unit = {args.base}'s T={rows[0]} step")
