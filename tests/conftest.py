@@ -10,13 +10,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 sys.path.insert(0, os.path.dirname(__file__))  # the HF reference helpers
 # Round-cost calibrations (speculative_k="auto") go to a directory of this run, not the user's cache.
 os.environ["JAXMTP_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmtp-test-cache-")
-# One persistent compilation cache for this run, in a new directory that pytest-xdist's workers
-# share: the notebook's kernel, the CLI's subprocesses and the other worker load the programs
-# compiled before them (the compile-cache test uses a directory of its own). JAX only warns and
-# compiles again where it reads an entry that another process is still writing.
-_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-os.environ["JAXMTP_COMPILE_CACHE"] = (os.path.join(tempfile.gettempdir(), f"jaxmtp-test-xla-{_RUN}") if _RUN
-                                      else os.path.join(os.environ["JAXMTP_CACHE_DIR"], "xla"))
+# One persistent compilation cache for this run, in a new directory: the notebook's kernel and the
+# CLI's subprocesses load the programs this process compiled before them (the compile-cache test
+# uses a directory of its own).
+os.environ["JAXMTP_COMPILE_CACHE"] = os.path.join(os.environ["JAXMTP_CACHE_DIR"], "xla")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
