@@ -133,9 +133,7 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
     x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights -> [N, D]."""
     combine = (jax.nn.one_hot(experts, len(gate), dtype=x.dtype) * weights[..., None].astype(x.dtype)).sum(axis=1)
     chosen = combine != 0  # [N, E]
-    # One token in all (a plain decode step): all rows are that row, so no one-row branch.
-    single = x.shape[0] == 1
-    branch = jnp.minimum(chosen.sum(axis=0), 1 if single else 2)  # [E]: no row 0, one row 1, several 2
+    count = chosen.sum(axis=0)  # [E] rows per expert: lax.switch clamps it to the last branch
     row = jnp.argmax(chosen, axis=0)  # [E]: the row that chose the expert, where one did
     out = jnp.zeros_like(x)
     for e, (g, u, d) in enumerate(zip(gate, up, down)):
@@ -147,8 +145,9 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
             y = swiglu(jax.lax.dynamic_slice_in_dim(x, row[e], 1), g, u, d, inputs_first)
             return out + combine[:, e:e + 1] * y
 
-        branches = (lambda out: out, every_row) if single else (lambda out: out, one_row, every_row)
-        out = jax.lax.switch(branch[e], branches, out)
+        # One token in all (a plain decode step): all rows are that row, so no one-row branch.
+        branches = (lambda out: out, every_row) if x.shape[0] == 1 else (lambda out: out, one_row, every_row)
+        out = jax.lax.switch(count[e], branches, out)  # no row, one row, several rows
     return out
 
 
