@@ -7,7 +7,9 @@ import os
 import sys
 
 process_id, port, model_dir, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# The test run's flags (its optimisation level), with 4 devices instead of its 8: XLA reads each
+# flag in turn, so the last value given wins.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
 

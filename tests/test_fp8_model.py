@@ -53,7 +53,14 @@ def models(tmp_path_factory):
     return fp8, dense, data.prompts_from(held_out, count=PROMPTS, length=32)
 
 
-def test_fp8_logits_and_greedy_decisions_follow_the_dequantized_model(models):
+@pytest.fixture(scope="module")
+def plain_fp8_tokens(models):
+    """The FP8 model's plain greedy tokens for the prompts (both tests below read them)."""
+    fp8, _, prompts = models
+    return jaxmtp.generate(fp8, prompts, max_new_tokens=NEW_TOKENS).tokens
+
+
+def test_fp8_logits_and_greedy_decisions_follow_the_dequantized_model(models, plain_fp8_tokens):
     fp8, dense, prompts = models
     assert fp8.params["moe_layers"]["layers"]["mlp"]["experts"]["gate_proj"].matmul == "fp8"
     got, want = (np.asarray(m.forward(np.array(prompts))[0]) for m in (fp8, dense))
@@ -61,21 +68,21 @@ def test_fp8_logits_and_greedy_decisions_follow_the_dequantized_model(models):
     # Greedy decisions: along the FP8 model's own 16 x 32 generated tokens, the float32 model
     # picks the same next token almost everywhere (free-running sequences drift apart after the
     # first differing token, so they are compared decision by decision).
-    generated = jaxmtp.generate(fp8, prompts, max_new_tokens=NEW_TOKENS).tokens
+    generated = plain_fp8_tokens
     assert all(len(g) == NEW_TOKENS for g in generated)
     sequences = np.array([p + g for p, g in zip(prompts, generated)])
     decisions = np.asarray(dense.forward(sequences)[0])[:, 31:-1].argmax(-1)
     assert (decisions == sequences[:, 32:]).mean() >= 0.95
 
 
-def test_fp8_speculative_greedy_follows_plain_fp8_greedy(models):
+def test_fp8_speculative_greedy_follows_plain_fp8_greedy(models, plain_fp8_tokens):
     """With W8A8 kernels, speculative greedy equals plain greedy in nearly every row, not in all:
     the verify pass computes k + 1 rows where the plain step computes one, and a last-bit
     difference in an activation can move its e4m3 rounding (3 mantissa bits) and so a later
     token. Measured on these 16 x 32 tokens: 15 rows equal, one differs from its 25th token on.
     Without activation rounding (float32, tests/test_generate.py) the tokens are equal."""
-    fp8, _, prompts = models  # the plain run is the one above (compiled once)
-    plain = jaxmtp.generate(fp8, prompts, max_new_tokens=NEW_TOKENS).tokens
+    fp8, _, prompts = models
+    plain = plain_fp8_tokens
     spec = jaxmtp.generate(fp8, prompts, max_new_tokens=NEW_TOKENS, speculative_k=2).tokens
     assert sum(a == b for a, b in zip(spec, plain)) >= len(prompts) - 2
     assert all(a[:8] == b[:8] for a, b in zip(spec, plain))
