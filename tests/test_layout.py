@@ -32,15 +32,15 @@ def test_converted_parameters_are_the_checkpoint_tensors_rearranged():
     model = gm.model("random")
     dense = model.with_layout(decode_layout(model.config, model.params))
     assert dense.layout == Layout(unrolled=True, split_experts=True, inputs_first=True, prefix_attention=True)
-    stacked, layer = model.params["moe_layers"]["layers"], dense.params["moe_layers"]["layers_2"]
-    np.testing.assert_array_equal(layer["self_attn"]["q_b_proj"]["weight"], stacked["self_attn"]["q_b_proj"]["weight"][2].T)
+    stacked, layer = model.params["moe_layers"]["layers"], dense.params["moe_layers"]["layers_1"]
+    np.testing.assert_array_equal(layer["self_attn"]["q_b_proj"]["weight"], stacked["self_attn"]["q_b_proj"]["weight"][1].T)
     c = model.config  # kv_b_proj's rows are per head: N key rows, then V value rows
-    per_head = stacked["self_attn"]["kv_b_proj"]["weight"][2].reshape(c.num_attention_heads, -1, c.kv_lora_rank)
+    per_head = stacked["self_attn"]["kv_b_proj"]["weight"][1].reshape(c.num_attention_heads, -1, c.kv_lora_rank)
     np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["key"], per_head[:, :c.qk_nope_head_dim])
     np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["value"], per_head[:, c.qk_nope_head_dim:])
     assert per_head.shape[1] == c.qk_nope_head_dim + c.v_head_dim
-    np.testing.assert_array_equal(layer["mlp"]["experts"]["down_proj"][5], stacked["mlp"]["experts"]["down_proj"][2, 5].T)
-    np.testing.assert_array_equal(layer["mlp"]["gate"]["weight"], stacked["mlp"]["gate"]["weight"][2].T)
+    np.testing.assert_array_equal(layer["mlp"]["experts"]["down_proj"][5], stacked["mlp"]["experts"]["down_proj"][1, 5].T)
+    np.testing.assert_array_equal(layer["mlp"]["gate"]["weight"], stacked["mlp"]["gate"]["weight"][1].T)
     np.testing.assert_array_equal(dense.params["lm_head"]["weight"], model.params["lm_head"]["weight"].T)
     np.testing.assert_array_equal(dense.params["embed_tokens"]["weight"], model.params["embed_tokens"]["weight"])
 
