@@ -36,13 +36,18 @@ def seconds(env: dict, command=COMMAND, tree=None) -> float:
     return time.perf_counter() - start
 
 
+def cache_env(cache: str) -> dict:
+    """This environment with jaxmtp's caches (calibrations, compiled programs) in `cache`."""
+    env = {**os.environ, "JAXMTP_CACHE_DIR": cache}
+    env.pop("JAXMTP_COMPILE_CACHE", None)
+    return env
+
+
 def cold_seconds(tree: str) -> float:
     """The command with `tree`'s jaxmtp in a new process with an empty cache directory."""
     command = [sys.executable, "-m", "jaxmtp.cli", *ARGUMENTS]
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "JAXMTP_CACHE_DIR": cache, "PYTHONPATH": tree}
-        env.pop("JAXMTP_COMPILE_CACHE", None)
-        return seconds(env, command, tree)
+        return seconds({**cache_env(cache), "PYTHONPATH": tree}, command, tree)
 
 
 def compare(base: str, pairs: int) -> None:
@@ -66,8 +71,7 @@ def main() -> None:
     if args.base:
         return compare(args.base, args.pairs)
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "JAXMTP_CACHE_DIR": cache}
-        env.pop("JAXMTP_COMPILE_CACHE", None)
+        env = cache_env(cache)
         cold = seconds(env)
         warm = [seconds(env) for _ in range(args.warm)]
         off = seconds({**env, "JAXMTP_COMPILE_CACHE": "0"})

@@ -176,10 +176,10 @@ print(json.dumps(jaxmtp.generate(model, [[5, 6, 7]], max_new_tokens=6).tokens))
 
 
 def test_compiled_loops_are_reused_from_the_cache_by_a_second_process_only_with_the_same_flags(tmp_path):
-    level = "--xla_backend_optimization_level=0"  # the test run's (tests/conftest.py): faster compiles
+    flags = os.environ["XLA_FLAGS"]  # the test run's (tests/conftest.py)
     env = {**os.environ, "JAXMTP_COMPILE_CACHE": str(tmp_path / "xla")}
 
-    def run(flags=level):
+    def run(flags=flags):
         done = subprocess.run([sys.executable, "-c", _CACHED_RUN, os.path.join(jaxmtp.CONFIGS, "tiny.json")],
                               env={**env, "XLA_FLAGS": flags}, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
@@ -191,5 +191,5 @@ def test_compiled_loops_are_reused_from_the_cache_by_a_second_process_only_with_
     assert any(name.startswith("jit_advance") for name in stored) and not cold_hits
     warm, warm_hits = run()
     assert warm == cold and {"jit_start", "jit_advance"} <= warm_hits
-    other, other_hits = run(level + " --xla_force_host_platform_device_count=2")  # other flags: compiled anew
+    other, other_hits = run(flags + " --xla_force_host_platform_device_count=2")  # other flags: compiled anew
     assert other == cold and not other_hits
