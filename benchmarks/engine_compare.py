@@ -5,8 +5,10 @@ compile generation for the same held-out prompts (batch 1, greedy, each prompt a
 run on command, alternately, so that drifts of a shared machine hit both alike. Printed per k:
 the median tokens/s of each engine over --repeats runs, total (with each prompt's prefill) and
 decode only (the prefill timed apart with max_new_tokens=1 and subtracted), and the ratio.
+--forced times the loop of speculative_k="auto" with every round at each of --ks instead (both
+trees need `Prepared.forced`, so a base from dc1de13 on).
 
-    python benchmarks/engine_compare.py [--base 479f24b] [--ks 0,2] [--repeats 7] [--prompts 8]
+    python benchmarks/engine_compare.py [--base 479f24b] [--ks 0,2] [--repeats 7] [--prompts 8] [--forced]
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import argparse
 import os
 import statistics
 import time
+from functools import partial
 
 from alternate import ROOT, ask, checkout, serve, start_worker, stop
 
 
-def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int]):
+def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int], forced: bool):
     """Answers "run K" lines on stdin with one JSON line: seconds for all prompts, new tokens,
     and the prefill-only seconds."""
     import jax
@@ -37,9 +40,14 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
         if hasattr(getattr(generation, "Prepared", None), "run"):  # this tree: Prepared runs the compiled loop
             runs = []
             for p in prompts:
-                prepared = generation.calibrated(generation.prepare(model, [p], max_new_tokens=new, speculative_k=k))
+                if forced:
+                    prepared = generation.prepare(model, [p], max_new_tokens=new, speculative_k="auto")
+                    run = partial(prepared.run, prepared.forced(k, new))
+                else:
+                    prepared = generation.calibrated(generation.prepare(model, [p], max_new_tokens=new, speculative_k=k))
+                    run = prepared.run
                 jax.block_until_ready(prepared.run(prepared.limited(1)))  # compiles, once per bucket
-                runs.append((prepared.run, lambda state: int(state.count[0])))
+                runs.append((run, lambda state: int(state.count[0])))
             return runs
         runs, cache = [], {}  # an earlier engine: one jitted function over positional arguments
         for p in prompts:
@@ -75,13 +83,14 @@ def main():
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--forced", action="store_true", help="the auto loop with every round at k")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     if args.worker:
-        return worker(args.prompts, args.prompt_len, args.max_new_tokens, ks)
+        return worker(args.prompts, args.prompt_len, args.max_new_tokens, ks, args.forced)
     worker_args = ["--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
-                   "--max-new-tokens", str(args.max_new_tokens), "--ks", args.ks]
+                   "--max-new-tokens", str(args.max_new_tokens), "--ks", args.ks] + ["--forced"] * args.forced
     with checkout(args.base) as base_tree:
         engines = {"base": start_worker(__file__, base_tree, worker_args),
                    "this": start_worker(__file__, ROOT, worker_args)}
@@ -91,7 +100,8 @@ def main():
                 for name, proc in engines.items():
                     runs[name, k].append(ask(proc, f"run {k}"))
         stop(engines.values())
-    print(f"demo model, {args.prompts} held-out prompts of {args.prompt_len} tokens, batch 1, greedy, "
+    loop = "the auto loop, every round at k" if args.forced else "the loop for k"
+    print(f"demo model, {loop}, {args.prompts} held-out prompts of {args.prompt_len} tokens, batch 1, greedy, "
           f"{args.max_new_tokens} new tokens; median of {args.repeats} alternating runs; base = {args.base}")
     print(f"{'k':>2} {'engine':>6} {'tokens/s':>9} {'decode tok/s':>13}")
     for k in ks:

@@ -11,8 +11,9 @@ which decay by DECAY per round so that the estimate follows acceptance as the te
 Every round is an exact verification whatever its k, so switching k keeps greedy output identical
 to plain decoding and sampled output exactly distributed. Rounds at k = 0 draft nothing, measure
 nothing and leave the MTP cache as it is; once decay has brought the counts back towards the
-prior the rule may try drafting again, and those first drafts read an MTP cache without the
-plainly decoded positions (fewer of them are accepted until the repair passes have refilled it).
+prior the rule may try drafting again. Each segment at k > 0 first drafts d1 afresh from the
+newest position (`decoding._draft_afresh`), but the MTP cache still lacks the other plainly
+decoded positions, so the drafts that attend to them may be accepted less often.
 Where no round of this loop, k = 0 included, beats a step of the plain decoding loop at the prior
 (the costs are in those steps), generation runs the plain loop instead (`Prepared.with_costs`).
 """

@@ -84,7 +84,9 @@ class DecodeState:
     seq [B, W]: tokens by position (prompt, then generated); logprobs [B, W] (or None): the
     log-probability of each generated token at its position; n [B]: position of t_n; count [B]:
     new tokens so far; done [B]. draft/draft_hidden/draft_probs: d1 for the next round, the MTP
-    hidden state at its slot [B, D] and its distribution [B, V] (sampling only). Stats per row:
+    hidden state at its slot [B, D] and its distribution [B, V] (sampling only). main_hidden [B, D]
+    (auto only): the main model's hidden state at position n - 1, from which a segment of rounds at
+    k > 0 drafts d1 afresh (rounds at k = 0 leave the draft where it was). Stats per row:
     rounds, drafted, accepted, accepted_at [B, k] (rounds in which draft i was accepted), rounds_at
     [B, k + 1] (rounds run at each k); steps: main forward passes of the batch. counts: the
     batch's acceptance by draft position, which `speculative_k="auto"` chooses k from.
@@ -100,6 +102,7 @@ class DecodeState:
     draft: jax.Array
     draft_hidden: jax.Array | None
     draft_probs: jax.Array | None
+    main_hidden: jax.Array | None
     key: jax.Array
     rounds: jax.Array
     drafted: jax.Array
@@ -219,7 +222,8 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
         first_logprob = _token_logprobs(static, logits[:, None], first[:, None], sampling)[:, 0]
         logprobs = jnp.zeros(seq.shape, jnp.float32).at[rows, lengths].set(first_logprob)
     state = DecodeState(seq=seq, logprobs=logprobs, n=lengths, count=kept, done=done, caches=caches, mtp_cache=None,
-                        draft=zeros, draft_hidden=None, draft_probs=None, key=key, rounds=zeros, drafted=zeros,
+                        draft=zeros, draft_hidden=None, draft_probs=None, main_hidden=None, key=key, rounds=zeros,
+                        drafted=zeros,
                         accepted=zeros, accepted_at=jnp.zeros((batch, static.k), jnp.int32),
                         rounds_at=jnp.zeros((batch, static.k + 1), jnp.int32),
                         counts=AcceptanceCounts.zeros(static.k), steps=jnp.ones((), jnp.int32))
@@ -230,7 +234,21 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
     z, mtp_cache = _mtp_hidden(static, params, hidden, seq[:, 1:width + 1], positions, mtp_cache, absorbed=False)
     z = _row_gather(z, last)
     draft, draft_probs = choose(draft_key, _head(static, params, z), static.mode, sampling)
-    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=z, draft_probs=draft_probs)
+    main_hidden = _row_gather(hidden, last) if static.auto else None
+    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=z, draft_probs=draft_probs,
+                         main_hidden=main_hidden)
+
+
+def _draft_afresh(static: Static, params, state: DecodeState, sampling, key) -> DecodeState:
+    """d1 (and its MTP hidden state) from MTP slot n - 1, which pairs the main model's h_{n-1}
+    with t_n, as the repair of the last round would have drafted it. After rounds at k = 0 the
+    draft is that of an earlier position; the slots of the other positions those rounds decoded
+    stay empty in the MTP cache."""
+    t_n = _row_gather(state.seq, state.n)
+    z, mtp_cache = _mtp_hidden(static, params, state.main_hidden[:, None], t_n[:, None], (state.n - 1)[:, None],
+                               state.mtp_cache, absorbed=True)
+    draft, probs = choose(key, _head(static, params, z[:, 0]), static.mode, sampling)
+    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=z[:, 0], draft_probs=probs)
 
 
 def _draft_rest(static, k, params, state: DecodeState, sampling, key):
@@ -288,7 +306,7 @@ def decode_round(static: Static, k: int, params, state: DecodeState, inputs: Inp
         accepted=state.accepted + accepted * active,
         accepted_at=state.accepted_at + (jnp.arange(static.k) < accepted[:, None]) * active[:, None],
         rounds_at=state.rounds_at.at[:, k].add(active), counts=state.counts.update(k, accepted, active),
-        steps=state.steps + 1)
+        steps=state.steps + 1, main_hidden=_row_gather(hidden, accepted) if static.auto else None)
     if k == 0:
         return state
     # Repair: MTP slots n..n+k from the verified hidden states; slot n+a yields the next d1 (the
@@ -308,6 +326,10 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
         return decode_round(static, static.k, params, state, inputs)
 
     def segment(k, state):
+        if k:  # the segment before may have run at k = 0. Always: a cond would make XLA:GPU wait for its
+            # predicate on the host (see jaxmtp.layout), and one 1-row MTP pass per segment is little.
+            key, draft_key = jax.random.split(state.key)
+            state = _draft_afresh(static, params, state.replace(key=key), inputs.sampling, draft_key)
         step = lambda carry: (carry[0] + 1, decode_round(static, k, params, carry[1], inputs))  # noqa: E731
         running = lambda carry: (carry[0] < AUTO_SEGMENT) & ~jnp.all(carry[1].done)  # noqa: E731
         return jax.lax.while_loop(running, step, (jnp.int32(0), state))[1]

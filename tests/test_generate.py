@@ -261,6 +261,23 @@ def test_auto_follows_acceptance():
     assert runs["never"].get(0, 0) >= 60 and sum(n for k, n in runs["never"].items() if k) <= 3 * AUTO_SEGMENT
 
 
+def test_auto_drafts_afresh_after_rounds_at_k0():
+    """Rounds at k = 0 draft nothing; the speculative segment after them drafts from the newest
+    position, so with an MTP layer that is always right its every draft is accepted, the first
+    round's included (the bucket of the test above: one compiled auto loop for both)."""
+    prepared = prepare(gm.model("always"), [[3, 4, 5]], max_new_tokens=100, speculative_k="auto")
+    static, params, inputs = prepared.static, prepared.params, prepared.inputs
+    halt = jax.numpy.zeros_like(inputs.real)
+    state = start(static, params, inputs)
+    for k in (0, AUTO_MAX_K):  # one segment each
+        state = advance(static, params, state, inputs.replace(force_k=jax.numpy.int32(k)), jax.numpy.int32(1), halt)[0]
+    assert np.asarray(state.rounds_at)[0].tolist() == [AUTO_SEGMENT] + [0] * (AUTO_MAX_K - 1) + [AUTO_SEGMENT]
+    assert int(state.accepted[0]) == int(state.drafted[0]) == AUTO_SEGMENT * AUTO_MAX_K
+    plain = jaxmtp.generate(gm.model("always"), [[3, 4, 5]], max_new_tokens=100).tokens[0]
+    count = int(state.count[0])
+    assert np.asarray(state.seq)[0, 3:3 + count].tolist() == plain[:count]
+
+
 def test_auto_runs_the_plain_loop_when_no_k_pays_at_the_prior():
     """Costs are in steps of the plain loop: the auto loop runs only where one of its rounds yields
     more than one token per plain step at the prior's acceptance (0.7: 1.7, 2.19, ... tokens)."""
