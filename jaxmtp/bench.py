@@ -44,8 +44,9 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     of the fixed k), and achieved / ideal.
 
     Every configuration is compiled and run once first; then the timed repeats go round all of
-    them in turn, so that slow drifts of a shared machine hit each alike; a speedup pairs the
-    times of one repeat, which ran within seconds of each other. Raises AssertionError if
+    them in turn (auto next to plain decoding, which it is held against, first one then the other
+    first), so that slow drifts of a shared machine hit each alike; a speedup pairs the times of
+    one repeat, which ran within seconds of each other. Raises AssertionError if
     any speculative output differs from plain greedy decoding.
     """
     configs = [0, *ks] + (["auto"] if auto and model.config.has_mtp else [])
@@ -53,8 +54,9 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     with model.mesh_context():
         runs = {k: _prepared(model, prompts, k, max_new_tokens, eos_token_id) for k in configs}
         outputs = {k: [unpack(p, p.run()) for p in runs[k]] for k in configs}
-        for _ in range(repeats):
-            for k in configs:
+        for repeat in range(repeats):
+            pair = [k for k in (0, "auto") if k in configs][::-1 if repeat % 2 else 1]
+            for k in pair + [k for k in configs if k not in pair]:
                 totals[k].append(_seconds(runs[k]))
                 prefill_seconds[k].append(_seconds(runs[k], prefill_only=True))
     costs = _round_costs(runs)
