@@ -44,7 +44,8 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
                     prepared = generation.prepare(model, [p], max_new_tokens=new, speculative_k="auto")
                     run = partial(prepared.run, prepared.forced(k, new))
                 else:
-                    prepared = generation.calibrated(generation.prepare(model, [p], max_new_tokens=new, speculative_k=k))
+                    prepared = generation.prepare(model, [p], max_new_tokens=new, speculative_k=k)
+                    prepared = generation.calibrated(prepared)
                     run = prepared.run
                 jax.block_until_ready(prepared.run(prepared.limited(1)))  # compiles, once per bucket
                 runs.append((run, lambda state: int(state.count[0])))
