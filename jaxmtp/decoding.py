@@ -230,12 +230,20 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
         return state
     # MTP slot p pairs h_p with t_{p+1}; the slot of the last prompt token pairs it with `first`.
     mtp_cache = _rows_over_data(MLACache.zeros(static.config, None, batch, static.cache_len, static.dtype), 0)
-    z, mtp_cache = _mtp_hidden(static, params, hidden, seq[:, 1:width + 1], positions, mtp_cache, absorbed=False)
-    z = _row_gather(z, last)
-    draft, draft_probs = choose(draft_key, _head(static, params, z), static.mode, sampling)
-    main_hidden = _row_gather(hidden, last) if static.auto else None
-    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=z, draft_probs=draft_probs,
-                         main_hidden=main_hidden)
+    state = _draft_from(static, params, state, (hidden, seq[:, 1:width + 1], positions), mtp_cache, last, draft_key,
+                        sampling, absorbed=False)
+    return state.replace(main_hidden=_row_gather(hidden, last) if static.auto else None)
+
+
+def _draft_from(static: Static, params, state: DecodeState, rows, cache: MLACache, slot, key, sampling,
+                absorbed: bool = True) -> DecodeState:
+    """The MTP pass over rows = (main hidden states [B, T, D], the tokens after them [B, T], their
+    positions [B, T]), writing their slots of `cache`; the next d1, its MTP hidden state and its
+    distribution come from row `slot` [B] (the head runs for that row only)."""
+    z, cache = _mtp_hidden(static, params, *rows, cache, absorbed=absorbed)
+    z = _row_gather(z, slot)
+    draft, probs = choose(key, _head(static, params, z), static.mode, sampling)
+    return state.replace(mtp_cache=cache, draft=draft, draft_hidden=z, draft_probs=probs)
 
 
 def _draft_afresh(static: Static, params, state: DecodeState, sampling, key) -> DecodeState:
@@ -244,10 +252,8 @@ def _draft_afresh(static: Static, params, state: DecodeState, sampling, key) -> 
     draft is that of an earlier position; the slots of the other positions those rounds decoded
     stay empty in the MTP cache."""
     t_n = _row_gather(state.seq, state.n)
-    z, mtp_cache = _mtp_hidden(static, params, state.main_hidden[:, None], t_n[:, None], (state.n - 1)[:, None],
-                               state.mtp_cache, absorbed=True)
-    draft, probs = choose(key, _head(static, params, z[:, 0]), static.mode, sampling)
-    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=z[:, 0], draft_probs=probs)
+    rows = (state.main_hidden[:, None], t_n[:, None], (state.n - 1)[:, None])
+    return _draft_from(static, params, state, rows, state.mtp_cache, jnp.zeros_like(state.n), key, sampling)
 
 
 def _draft_rest(static, k, params, state: DecodeState, sampling, key):
@@ -310,10 +316,7 @@ def decode_round(static: Static, k: int, params, state: DecodeState, inputs: Inp
         return state
     # Repair: MTP slots n..n+k from the verified hidden states; slot n+a yields the next d1 (the
     # head runs for that slot only).
-    z, mtp_cache = _mtp_hidden(static, params, hidden, new_tokens, positions, mtp_cache, absorbed=True)
-    z = _row_gather(z, accepted)
-    draft, probs = choose(next_key, _head(static, params, z), static.mode, sampling)
-    return state.replace(mtp_cache=mtp_cache, draft=draft, draft_hidden=z, draft_probs=probs)
+    return _draft_from(static, params, state, (hidden, new_tokens, positions), mtp_cache, accepted, next_key, sampling)
 
 
 def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> DecodeState:
