@@ -3,9 +3,10 @@
 A round at k = 0 drafts nothing and writes nothing into the MTP cache. For held-out prompts of the
 demo model (batch 1, greedy), the auto loop first runs --plain-segments segments with every round
 at k = 0 (8 rounds each), or a third as many at k = 3 (about as many tokens), and then 3 segments
-at k = 3; printed: the acceptance of those last 24 rounds' drafts after each start. The difference
-is what the MTP cache's missing positions (and, before each segment drafted afresh, the stale
-first draft) cost. With --tree, another checkout's jaxmtp is measured.
+at k = 3; printed: the acceptance of those last 24 rounds' drafts after each start. The two
+starts leave the rounds at different positions of the text, which changes acceptance too; what
+plain rounds leave behind (the MTP slots they did not write, a first draft made for an earlier
+position) is measured by the same start in two trees: --tree measures another checkout's jaxmtp.
 
     python benchmarks/auto_switch.py [--plain-segments 6] [--prompts 8] [--tree DIR]
 """

@@ -84,9 +84,10 @@ class DecodeState:
     seq [B, W]: tokens by position (prompt, then generated); logprobs [B, W] (or None): the
     log-probability of each generated token at its position; n [B]: position of t_n; count [B]:
     new tokens so far; done [B]. draft/draft_hidden/draft_probs: d1 for the next round, the MTP
-    hidden state at its slot [B, D] and its distribution [B, V] (sampling only). main_hidden [B, D]
-    (auto only): the main model's hidden state at position n - 1, from which a segment of rounds at
-    k > 0 drafts d1 afresh (rounds at k = 0 leave the draft where it was). Stats per row:
+    hidden state at its slot [B, D] and its distribution [B, V] (sampling only). main_hidden
+    [B, R, D] (auto only, R = AUTO_SEGMENT): the main model's hidden states at positions n - R..n - 1
+    (those before position 0 hold its), from which a segment of rounds at k > 0 fills those MTP
+    slots and drafts d1 afresh (rounds at k = 0 leave both as they were). Stats per row:
     rounds, drafted, accepted, accepted_at [B, k] (rounds in which draft i was accepted), rounds_at
     [B, k + 1] (rounds run at each k); steps: main forward passes of the batch. counts: the
     batch's acceptance by draft position, which `speculative_k="auto"` chooses k from.
@@ -232,7 +233,10 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
     mtp_cache = _rows_over_data(MLACache.zeros(static.config, None, batch, static.cache_len, static.dtype), 0)
     state = _draft_from(static, params, state, (hidden, seq[:, 1:width + 1], positions), mtp_cache, last, draft_key,
                         sampling, absorbed=False)
-    return state.replace(main_hidden=_row_gather(hidden, last) if static.auto else None)
+    if not static.auto:
+        return state
+    window = jnp.maximum(last[:, None] - AUTO_SEGMENT + 1 + jnp.arange(AUTO_SEGMENT), 0)  # [B, R] positions
+    return state.replace(main_hidden=jnp.take_along_axis(hidden, window[..., None], axis=1))
 
 
 def _draft_from(static: Static, params, state: DecodeState, rows, cache: MLACache, slot, key, sampling,
@@ -246,14 +250,20 @@ def _draft_from(static: Static, params, state: DecodeState, rows, cache: MLACach
     return state.replace(mtp_cache=cache, draft=draft, draft_hidden=z, draft_probs=probs)
 
 
-def _draft_afresh(static: Static, params, state: DecodeState, sampling, key) -> DecodeState:
-    """d1 (and its MTP hidden state) from MTP slot n - 1, which pairs the main model's h_{n-1}
-    with t_n, as the repair of the last round would have drafted it. After rounds at k = 0 the
-    draft is that of an earlier position; the slots of the other positions those rounds decoded
-    stay empty in the MTP cache."""
-    t_n = _row_gather(state.seq, state.n)
-    rows = (state.main_hidden[:, None], t_n[:, None], (state.n - 1)[:, None])
-    return _draft_from(static, params, state, rows, state.mtp_cache, jnp.zeros_like(state.n), key, sampling)
+def _refill(static: Static, params, state: DecodeState, sampling, key) -> DecodeState:
+    """The MTP pass over slots n - R..n - 1 (R = AUTO_SEGMENT), which pair the main model's hidden
+    states there with the tokens after them, and d1 from slot n - 1, as the repair of the last
+    round would have drafted it: after rounds at k = 0 the MTP cache lacks the positions they
+    decoded and the draft is that of an earlier position. Where n < R the pass covers slots
+    0..R - 1 instead (the cache write takes distinct, ascending positions); slots from n on get
+    placeholder rows and are written again before any draft reads them."""
+    n = state.n[:, None]
+    positions = jnp.maximum(n - AUTO_SEGMENT, 0) + jnp.arange(AUTO_SEGMENT)  # [B, R]
+    window = jnp.minimum(positions - (n - AUTO_SEGMENT), AUTO_SEGMENT - 1)  # index into main_hidden
+    rows = (jnp.take_along_axis(state.main_hidden, window[..., None], axis=1),
+            jnp.take_along_axis(state.seq, positions + 1, axis=1), positions)
+    slot = jnp.minimum(state.n, AUTO_SEGMENT) - 1  # the row of position n - 1
+    return _draft_from(static, params, state, rows, state.mtp_cache, slot, key, sampling)
 
 
 def _draft_rest(static, k, params, state: DecodeState, sampling, key):
@@ -311,12 +321,20 @@ def decode_round(static: Static, k: int, params, state: DecodeState, inputs: Inp
         accepted=state.accepted + accepted * active,
         accepted_at=state.accepted_at + (jnp.arange(static.k) < accepted[:, None]) * active[:, None],
         rounds_at=state.rounds_at.at[:, k].add(active), counts=state.counts.update(k, accepted, active),
-        steps=state.steps + 1, main_hidden=_row_gather(hidden, accepted) if static.auto else None)
+        steps=state.steps + 1, main_hidden=_shifted(state.main_hidden, hidden, kept) if static.auto else None)
     if k == 0:
         return state
     # Repair: MTP slots n..n+k from the verified hidden states; slot n+a yields the next d1 (the
     # head runs for that slot only).
     return _draft_from(static, params, state, (hidden, new_tokens, positions), mtp_cache, accepted, next_key, sampling)
+
+
+def _shifted(window, hidden, kept):
+    """The window of main hidden states [B, R, D] at positions n - R..n - 1, moved on by the round's
+    kept [B] tokens, whose hidden states are hidden [B, k + 1, D] at positions n..n + k."""
+    both = jnp.concatenate([window, hidden.astype(window.dtype)], axis=1)  # positions n - R..n + k
+    index = kept[:, None] + jnp.arange(window.shape[1])
+    return jnp.take_along_axis(both, index[..., None], axis=1)
 
 
 def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> DecodeState:
@@ -329,9 +347,9 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
 
     def segment(k, state):
         if k:  # the segment before may have run at k = 0. Always: a cond would make XLA:GPU wait for its
-            # predicate on the host (see jaxmtp.layout), and one 1-row MTP pass per segment is little.
+            # predicate on the host (see jaxmtp.layout), and one MTP pass per segment is little.
             key, draft_key = jax.random.split(state.key)
-            state = _draft_afresh(static, params, state.replace(key=key), inputs.sampling, draft_key)
+            state = _refill(static, params, state.replace(key=key), inputs.sampling, draft_key)
         step = lambda carry: (carry[0] + 1, decode_round(static, k, params, carry[1], inputs))  # noqa: E731
         running = lambda carry: (carry[0] < AUTO_SEGMENT) & ~jnp.all(carry[1].done)  # noqa: E731
         return jax.lax.while_loop(running, step, (jnp.int32(0), state))[1]

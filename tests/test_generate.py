@@ -278,6 +278,28 @@ def test_auto_drafts_afresh_after_rounds_at_k0():
     assert np.asarray(state.seq)[0, 3:3 + count].tolist() == plain[:count]
 
 
+@pytest.mark.parametrize("segments", [(0, AUTO_MAX_K), (AUTO_MAX_K,)])
+def test_auto_mtp_cache_is_whole_after_rounds_at_k0(segments):
+    """Rounds at k = 0 write no MTP slots; a segment at k > 0 first writes those of the last
+    AUTO_SEGMENT positions. After one plain segment (or none: a first segment from prompts shorter
+    than AUTO_SEGMENT) the MTP cache then holds, at every position a row has reached, what a
+    prefill of the row's tokens up to there writes (its slot p pairs h_p with t_{p+1})."""
+    model, prompts = gm.model("partial"), [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16]]
+    prepared = prepare(model, prompts, max_new_tokens=60, speculative_k="auto")
+    static, params, inputs = prepared.static, prepared.params, prepared.inputs
+    halt = jax.numpy.zeros_like(inputs.real)
+    state = start(static, params, inputs)
+    for k in segments:
+        state = advance(static, params, state, inputs.replace(force_k=jax.numpy.int32(k)), jax.numpy.int32(1), halt)[0]
+    n, seq = np.asarray(state.n), np.asarray(state.seq)
+    reached = [seq[row, :n[row]].tolist() for row in range(len(prompts))]
+    fresh = prepare(model, reached, max_new_tokens=1, speculative_k=1)
+    want = start(fresh.static, fresh.params, fresh.inputs).mtp_cache
+    for row, length in enumerate(n):
+        for got, ref in ((state.mtp_cache.c_kv, want.c_kv), (state.mtp_cache.k_pe, want.k_pe)):
+            np.testing.assert_allclose(np.asarray(got)[row, :length], np.asarray(ref)[row, :length], atol=2e-5)
+
+
 def test_auto_runs_the_plain_loop_when_no_k_pays_at_the_prior():
     """Costs are in steps of the plain loop: the auto loop runs only where one of its rounds yields
     more than one token per plain step at the prior's acceptance (0.7: 1.7, 2.19, ... tokens)."""
