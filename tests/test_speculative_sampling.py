@@ -7,12 +7,14 @@ from 20,480 rows of one `generate` call. A chi-square test compares them.
 
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import generation_models as gm
 import jaxmtp
+from jaxmtp.generation import prepare, unpack
 
 VOCAB = 8
 # One dense main layer (the MTP layer has the MoE): the exactness is per token, and 20,480 rows of a
@@ -71,11 +73,16 @@ def chi_square_p_value(counts, expected):
     (2, 1.0, 0, 1.0),
     (2, 1.0, 3, 1.0),
     (1, 0.8, 0, 0.8),   # k = 1 reaches the bonus token within three tokens; top-p
+    ("auto", 1.0, 0, 1.0),  # the auto loop at k = 2: its segment first re-drafts d1 from the prompt's slots
 ])
 def test_first_three_tokens_follow_the_model(k, temperature, top_k, top_p):
     model = gm.model("partial", CONFIG, head_scale=0.25)
-    out = jaxmtp.generate(model, [PROMPT] * SAMPLES, max_new_tokens=NEW, temperature=temperature, top_k=top_k,
-                          top_p=top_p, speculative_k=k, seed=17)
+    sampling = dict(max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, seed=17)
+    if k == "auto":  # every round at k = 2 (calibrating costs for this batch would take longer than the test)
+        prepared = prepare(model, [PROMPT] * SAMPLES, speculative_k="auto", **sampling)
+        out = unpack(prepared, prepared.run(prepared.inputs.replace(force_k=jnp.int32(2))))
+    else:
+        out = jaxmtp.generate(model, [PROMPT] * SAMPLES, speculative_k=k, **sampling)
     assert all(len(row) == NEW for row in out.tokens)
     counts = np.zeros((VOCAB,) * 3)
     np.add.at(counts, tuple(np.array(out.tokens).T), 1)
