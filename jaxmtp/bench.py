@@ -41,7 +41,8 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     only; medians), speedups over k = 0 (the median of each repeat's ratio), acceptance figures,
     the round cost in plain steps (from the calibration that auto uses), the ideal speedup that
     the measured acceptance and costs allow (mean accepted length / round cost; for auto, the best
-    of the fixed k), and achieved / ideal.
+    of the fixed k), and achieved / ideal; auto's row also says which loop its calibrated costs
+    chose ("loop": "plain" or "auto").
 
     Every configuration is compiled and run once first; then the timed repeats go round all of
     them in turn (auto next to plain decoding, which it is held against, first one then the other
@@ -69,6 +70,7 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     for r in rows:
         if r["k"] == "auto":
             r["ideal_speedup"] = max(fixed)
+            r["loop"] = "auto" if runs["auto"][0].static.auto else "plain"  # what the calibrated costs chose
         r["achieved_over_ideal"] = r["decode_speedup"] / r["ideal_speedup"]
     return rows
 
@@ -124,8 +126,8 @@ def table(rows: list[dict]) -> str:
         cost = f"{r['round_cost']:.2f}" if r["round_cost"] else "-"
         ideal = f"{r['ideal_speedup']:.2f}x" if r["ideal_speedup"] else "-"
         per_position = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
-        detail = (" ".join(f"{j}:{n}" for j, n in r["rounds_by_k"].items()) + " / " + per_position
-                  if r["k"] == "auto" else per_position)
+        detail = (f"{r['loop']} loop " + " ".join(f"{j}:{n}" for j, n in r["rounds_by_k"].items()) + " / "
+                  + per_position if r["k"] == "auto" else per_position)
         lines.append(f"{r['k']!s:>4} {r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {r['decode_tokens_per_s']:>9.1f} "
                      f"{r['decode_speedup']:>7.2f}x {cost:>5} {r['acceptance_rate']:>7.3f} "
                      f"{r['mean_accepted_length']:>8.2f} {ideal:>6} {r['achieved_over_ideal']:>9.2f}  {detail}")

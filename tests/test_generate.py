@@ -356,6 +356,17 @@ def test_round_costs_are_measured_once_and_kept(tmp_path, monkeypatch):
     assert calibration.round_costs(key, plain_seconds, round_seconds, 2) == pytest.approx(first) and len(calls) > count
 
 
+def test_round_costs_below_their_bounds_are_raised(tmp_path, monkeypatch):
+    """A round at k = 0 costs at least a plain step and a round at k at least one at k - 1 (it does
+    their work and more): medians below those bounds are noise and are raised to them."""
+    from jaxmtp import calibration
+
+    monkeypatch.setenv("JAXMTP_CACHE_DIR", str(tmp_path))
+    steps = [0.95, 2.3, 2.1, 4.0]  # plain steps per round at k = 0..3, as a noisy machine might read them
+    costs = calibration.round_costs("device|model|shapes", lambda: 0.001, lambda k: 0.001 * steps[k], 3)
+    assert costs == pytest.approx([1.0, 2.3, 2.3, 4.0])
+
+
 def test_round_costs_are_keyed_by_the_code_that_measured_them(tmp_path):
     """An upgrade or an edit of jaxmtp changes the key, so its costs are measured again."""
     from jaxmtp import calibration
