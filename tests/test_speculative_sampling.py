@@ -70,10 +70,9 @@ def chi_square_p_value(counts, expected):
 
 @pytest.mark.parametrize("k, temperature, top_k, top_p", [
     (0, 1.0, 0, 1.0),   # plain sampling, the baseline the speculative runs must match
-    (2, 1.0, 0, 1.0),
-    (2, 1.0, 3, 1.0),
-    (1, 0.8, 0, 0.8),   # k = 1 reaches the bonus token within three tokens; top-p
     ("auto", 1.0, 0, 1.0),  # the auto loop at k = 2: its segment first re-drafts d1 from the prompt's slots
+    (2, 1.0, 3, 1.0),   # the loop at a fixed k = 2; top-k
+    (1, 0.8, 0, 0.8),   # k = 1 reaches the bonus token within three tokens; top-p
 ])
 def test_first_three_tokens_follow_the_model(k, temperature, top_k, top_p):
     model = gm.model("partial", CONFIG, head_scale=0.25)
