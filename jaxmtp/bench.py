@@ -70,7 +70,7 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     for r in rows:
         if r["k"] == "auto":
             r["ideal_speedup"] = max(fixed)
-            r["loop"] = "auto" if runs["auto"][0].static.auto else "plain"  # what the calibrated costs chose
+            r["loop"] = "auto" if outputs["auto"][0].stats["auto_loop"] else "plain"
         r["achieved_over_ideal"] = r["decode_speedup"] / r["ideal_speedup"]
     return rows
 

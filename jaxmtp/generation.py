@@ -265,7 +265,8 @@ def unpack(prepared: Prepared, state: DecodeState, receiver: streaming.Receiver 
     if logprobs is not None:
         logprobs = [logprobs[i, span].tolist() for i, span in enumerate(spans)]
     stats = GenerationStats.of(out["rounds"][:n], out["drafted"][:n], out["accepted"][:n], out["accepted_at"][:n],
-                               out["rounds_at"][:n], out["steps"], prepared.costs)
+                               out["rounds_at"][:n], out["steps"], prepared.costs,
+                               None if prepared.costs is None else prepared.static.auto)
     return GenerationOutput(tokens, stats, logprobs)
 
 

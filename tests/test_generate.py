@@ -231,6 +231,9 @@ def test_auto_k_greedy_is_plain_greedy(kind, prompts):
     assert auto.tokens == plain.tokens
     costs = auto.stats["round_costs"]
     assert len(costs) == AUTO_MAX_K + 1 and all(c > 0 for c in costs)
+    # its own loop runs only if a round yields more than a token per plain step at the prior (0.7)
+    prior = 1 + np.cumsum([0.7 ** i if i else 0.0 for i in range(AUTO_MAX_K + 1)])  # E_k, k = 0..
+    assert auto.stats["auto_loop"] == bool((prior / np.array(costs)).max() > 1) and plain.stats["auto_loop"] is None
     for row in auto.stats["per_row"]:  # every round of a row is counted at the k it ran
         assert sum(row["rounds_by_k"].values()) == row["main_forward_passes"] - 1
 
