@@ -166,9 +166,14 @@ def _rows_over_data(cache: MLACache, batch_axis: int) -> MLACache:
     return jax.lax.with_sharding_constraint(cache, spec)
 
 
+def _rows_at(x, index):
+    """x [B, T, ...], index [B, R] -> x[b, index[b, r]] [B, R, ...]."""
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
 def _row_gather(x, index):
     """x [B, T, ...], index [B] -> x[b, index[b]] [B, ...]."""
-    return jnp.take_along_axis(x, index.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+    return _rows_at(x, index[:, None])[:, 0]
 
 
 def _stopping(seq, n, count, width, stops):
@@ -178,7 +183,7 @@ def _stopping(seq, n, count, width, stops):
     length = stops.shape[1]
     ends = n[:, None] + 1 + jnp.arange(width)  # [B, T]
     at = ends[..., None] - (length - 1) + jnp.arange(length)  # [B, T, L]: each match window
-    window = jnp.take_along_axis(seq, jnp.maximum(at, 0).reshape(seq.shape[0], -1), axis=1).reshape(at.shape)
+    window = _rows_at(seq, jnp.maximum(at, 0).reshape(seq.shape[0], -1)).reshape(at.shape)
     generated = at >= (n - count + 1)[:, None, None]
     same = (window[:, :, None] == stops) & generated[:, :, None]  # [B, T, N, L]
     return ((stops == ANY) | same).all(axis=-1).any(axis=-1)
@@ -236,7 +241,7 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
     if not static.auto:
         return state
     window = jnp.maximum(last[:, None] - AUTO_SEGMENT + 1 + jnp.arange(AUTO_SEGMENT), 0)  # [B, R] positions
-    return state.replace(main_hidden=jnp.take_along_axis(hidden, window[..., None], axis=1))
+    return state.replace(main_hidden=_rows_at(hidden, window))
 
 
 def _draft_from(static: Static, params, state: DecodeState, rows, cache: MLACache, slot, key, sampling,
@@ -260,8 +265,7 @@ def _refill(static: Static, params, state: DecodeState, sampling, key) -> Decode
     n = state.n[:, None]
     positions = jnp.maximum(n - AUTO_SEGMENT, 0) + jnp.arange(AUTO_SEGMENT)  # [B, R]
     window = jnp.minimum(positions - (n - AUTO_SEGMENT), AUTO_SEGMENT - 1)  # index into main_hidden
-    rows = (jnp.take_along_axis(state.main_hidden, window[..., None], axis=1),
-            jnp.take_along_axis(state.seq, positions + 1, axis=1), positions)
+    rows = (_rows_at(state.main_hidden, window), _rows_at(state.seq, positions + 1), positions)
     slot = jnp.minimum(state.n, AUTO_SEGMENT) - 1  # the row of position n - 1
     return _draft_from(static, params, state, rows, state.mtp_cache, slot, key, sampling)
 
@@ -333,8 +337,7 @@ def _shifted(window, hidden, kept):
     """The window of main hidden states [B, R, D] at positions n - R..n - 1, moved on by the round's
     kept [B] tokens, whose hidden states are hidden [B, k + 1, D] at positions n..n + k."""
     both = jnp.concatenate([window, hidden.astype(window.dtype)], axis=1)  # positions n - R..n + k
-    index = kept[:, None] + jnp.arange(window.shape[1])
-    return jnp.take_along_axis(both, index[..., None], axis=1)
+    return _rows_at(both, kept[:, None] + jnp.arange(window.shape[1]))
 
 
 def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> DecodeState:
