@@ -52,27 +52,36 @@ def microseconds_per_call(loop, args, calls):
     return median_seconds(jax.jit(loop), args, repeats=5) / calls * 1e6
 
 
-def step_loops(static, rows, calls, start=40):
+def step_loops(static, rows, calls, start=40, tokens="fixed"):
     """(main loop, MTP loop): each feeds `rows` tokens at positions start.. per call, `calls` times.
-    The tokens fed depend on the previous call's output so that no call can be skipped."""
+    The tokens fed depend on the previous call's output so that no call can be skipped.
+
+    tokens="fixed": every call feeds the same tokens (but for that dependence), so every call routes
+    to the same experts and reads the same weights. tokens="varied": each call feeds new random
+    tokens, so the experts it reads change from call to call as they do in generation, and the
+    weights a call reads are those of the whole model over a few calls (past the CPU's cache where
+    the model is, which the fixed feed hides)."""
     positions = start + jnp.arange(rows, dtype=jnp.int32)[None]
     spread = jnp.arange(rows, dtype=jnp.int32)[None] * 131  # a different token in every row
+    vocab = static.config.vocab_size
+    table = jax.random.randint(jax.random.key(7), (calls, 1, rows), 0, vocab, jnp.int32)
 
-    def fed(acc):
-        return (spread + 5 + acc.astype(jnp.int32) % 2) % static.config.vocab_size
+    def fed(acc, i):
+        base = table[i] if tokens == "varied" else spread + 5
+        return (base + acc.astype(jnp.int32) % 2) % vocab
 
     def main_loop(params, caches):
-        def body(_, carry):
+        def body(i, carry):
             caches, acc = carry
-            tokens = fed(acc)
+            tokens = fed(acc, i)
             logits, _, caches = main_forward(static, params, tokens, positions, caches, absorbed=True)
             return caches, acc + logits[0, 0, 0]
         return jax.lax.fori_loop(0, calls, body, (caches, jnp.float32(0)))[1]
 
     def mtp_loop(params, cache):
-        def body(_, carry):
+        def body(i, carry):
             cache, acc = carry
-            tokens = fed(acc)
+            tokens = fed(acc, i)
             hidden = jnp.ones((1, rows, static.config.hidden_size), static.dtype) * acc
             logits, _, cache = mtp_step(static, params, hidden, tokens, positions, cache, absorbed=True)
             return cache, acc + logits[0, 0, 0] * 1e-6
@@ -87,6 +96,8 @@ def add_model_arguments(parser):
     parser.add_argument("--config", help="an HF config.json: random weights of that architecture instead of --model")
     parser.add_argument("--cache-len", type=int, default=128, help="cache slots (the bucket a generation would use)")
     parser.add_argument("--start", type=int, default=40, help="position of each call's first row")
+    parser.add_argument("--tokens", choices=("fixed", "varied"), default="fixed",
+                        help="the same tokens every call, or new random ones each call (see step_loops)")
     parser.add_argument("--prefix-attention", choices=("decode", "on", "off"), default="decode",
                         help="attention over a prefix of the cache as the decode layout picks it here, or forced")
     parser.add_argument("--experts", choices=("decode", "split", "stacked"), default="decode",
@@ -124,7 +135,7 @@ def worker(args):
     static = plain_static(model, args.cache_len)
     loops = {}
     for rows in (int(r) for r in args.rows.split(",")):
-        loop = jax.jit(step_loops(static, rows, args.calls, args.start)[0])
+        loop = jax.jit(step_loops(static, rows, args.calls, args.start, args.tokens)[0])
         loops[rows] = (loop, (model.params, empty_caches(static, 1)))
         jax.block_until_ready(loop(*loops[rows][1]))
 
@@ -142,7 +153,7 @@ def worker(args):
 def compare(args):
     """This tree's main forward against --base's, alternating; ratios per pair of runs."""
     forwarded = ["--model", args.model, "--rows", args.rows, "--calls", str(args.calls), "--cache-len",
-                 str(args.cache_len), "--start", str(args.start)] + (["--config", args.config] if args.config else [])
+                 str(args.cache_len), "--start", str(args.start), "--tokens", args.tokens] + (["--config", args.config] if args.config else [])
     with checkout(args.base) as base_tree:
         engines = {"base": start_worker(__file__, base_tree, forwarded), "this": start_worker(__file__, ROOT, forwarded)}
         runs = {name: [] for name in engines}
@@ -188,7 +199,7 @@ def main():
           f"median of 5 loops of {args.calls} calls")
     main, mtp = {}, {}
     for rows in (int(r) for r in args.rows.split(",")):
-        main_loop, mtp_loop = step_loops(static, rows, args.calls, args.start)
+        main_loop, mtp_loop = step_loops(static, rows, args.calls, args.start, args.tokens)
         main[rows] = microseconds_per_call(main_loop, (model.params, empty_caches(static, 1)), args.calls)
         mtp_cache = MLACache.zeros(model.config, None, 1, args.cache_len, model.dtype)
         mtp[rows] = microseconds_per_call(mtp_loop, (model.params, mtp_cache), args.calls)

@@ -60,7 +60,7 @@ def main():
     print(f"{args.config or args.model} on {jax.devices()[0].device_kind}, {model.layout}, cache {args.cache_len} "
           f"slots from position {args.start}: kernels per main forward (count, traced microseconds)")
     for rows in (int(r) for r in args.rows.split(",")):
-        main_loop, _ = step_loops(static, rows, args.calls, args.start)
+        main_loop, _ = step_loops(static, rows, args.calls, args.start, args.tokens)
         kinds = kernel_events(jax.jit(main_loop), (model.params, empty_caches(static, 1)))
         count, micros = (sum(v[i] for v in kinds.values()) / args.calls for i in (0, 1))
         print(f"T={rows}: {count:.0f} kernels, {micros:.0f} us")
