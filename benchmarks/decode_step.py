@@ -6,7 +6,8 @@ T = 1 and once at T = k + 1 (the repair pass); plain decoding runs the main forw
 figures therefore bound the speedup a given acceptance can give on this machine.
 
     python benchmarks/decode_step.py [--model DIR | --config CONFIG_JSON] [--calls 200] [--rows 1,2,3,4,5]
-                                     [--cache-len 128] [--start 40] [--experts decode|split|stacked]
+                                     [--cache-len 128] [--start 40] [--tokens fixed|varied]
+                                     [--experts decode|split|stacked]
                                      [--prefix-attention decode|on|off]
     python benchmarks/decode_step.py --base 479f24b [--rows 1,4] [--calls 100] [--pairs 21] [model options]
 
@@ -17,7 +18,8 @@ next still answers (runs of the two engines minutes apart can differ 2x on a sha
 
 --config times a model of that architecture with random weights (seed 0): how the cost of extra rows
 depends on a model's size and shape (e.g. weights too big for the CPU's caches, dense or MoE).
-The rows of a call carry different tokens, so that they route to different experts as text does.
+The rows of a call carry different tokens, so that they route to different experts as text does;
+with --tokens varied every call also feeds new ones (see step_loops).
 With PYTHONPATH pointing at an earlier checkout, the same loops time that checkout's engine.
 --experts forces the routed experts' arrangement of the decode layout (one conditional per expert,
 or the stack that few tokens gather from) instead of the one it picks for this platform, and
@@ -57,17 +59,16 @@ def step_loops(static, rows, calls, start=40, tokens="fixed"):
     The tokens fed depend on the previous call's output so that no call can be skipped.
 
     tokens="fixed": every call feeds the same tokens (but for that dependence), so every call routes
-    to the same experts and reads the same weights. tokens="varied": each call feeds new random
-    tokens, so the experts it reads change from call to call as they do in generation, and the
-    weights a call reads are those of the whole model over a few calls (past the CPU's cache where
-    the model is, which the fixed feed hides)."""
+    to the same experts and reads the same weights, which stay in the CPU's caches if they fit.
+    tokens="varied": each call feeds new random tokens, so the experts it reads change from call to
+    call as they do in generation, and over a few calls the loop reads every expert's weights."""
     positions = start + jnp.arange(rows, dtype=jnp.int32)[None]
     spread = jnp.arange(rows, dtype=jnp.int32)[None] * 131  # a different token in every row
     vocab = static.config.vocab_size
-    table = jax.random.randint(jax.random.key(7), (calls, 1, rows), 0, vocab, jnp.int32)
+    table = None if tokens == "fixed" else jax.random.randint(jax.random.key(7), (calls, 1, rows), 0, vocab, jnp.int32)
 
     def fed(acc, i):
-        base = table[i] if tokens == "varied" else spread + 5
+        base = spread + 5 if table is None else table[i]
         return (base + acc.astype(jnp.int32) % 2) % vocab
 
     def main_loop(params, caches):
@@ -153,7 +154,8 @@ def worker(args):
 def compare(args):
     """This tree's main forward against --base's, alternating; ratios per pair of runs."""
     forwarded = ["--model", args.model, "--rows", args.rows, "--calls", str(args.calls), "--cache-len",
-                 str(args.cache_len), "--start", str(args.start), "--tokens", args.tokens] + (["--config", args.config] if args.config else [])
+                 str(args.cache_len), "--start", str(args.start), "--tokens", args.tokens]
+    forwarded += ["--config", args.config] if args.config else []
     with checkout(args.base) as base_tree:
         engines = {"base": start_worker(__file__, base_tree, forwarded), "this": start_worker(__file__, ROOT, forwarded)}
         runs = {name: [] for name in engines}
