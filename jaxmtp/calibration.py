@@ -9,9 +9,9 @@ file keyed by all of the above, the jax version and a digest of jaxmtp's own sou
 costs measured by other code (an upgrade, an edit) are measured again. The file lives in
 $JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
 
-The unit is the plain loop's step, not the auto loop's own round at k = 0: the auto loop passes its
-whole state through a switch between its round variants, which makes its k = 0 round dearer than
-a step of the plain loop (1.0-1.25x for the demo model on a 2-core CPU).
+The unit is the plain loop's step, not the auto loop's own round at k = 0, which is dearer than a
+step of the plain loop (1.0-1.25x for the demo model on a 2-core CPU): its round compiles to the
+same kernels, so the difference lies in the segment loops around it.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
     the plain loop's in the same repeat (paired: a shared machine's slower spells, which last
     seconds, weigh on both alike).
 
-    A round at k = 0 does all the work of a plain step and more (its loop passes the state through
-    the switch between round variants), and a round at k all the work of one at k - 1 and more (a
+    A round at k = 0 does all the work of a plain step and more (the auto loop's segment loops and
+    its window of hidden states), and a round at k all the work of one at k - 1 and more (a
     main forward over one more row, one more MTP pass): so a median below 1, or below the cost at
     k - 1, is the machine's noise and is raised to that bound. Unbounded, a k = 0 round read at 0.95
     plain steps on the demo made auto run its own loop at k = 0, whose rounds took 1.17x a plain

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 
 import jax
 import numpy as np
@@ -248,6 +249,21 @@ def test_every_forced_k_of_the_auto_loop_is_plain_greedy(force):
     out = unpack(prepared, prepared.run(prepared.inputs.replace(force_k=jax.numpy.int32(force))))
     assert out.tokens == plain.tokens
     assert set(out.stats["rounds_by_k"]) == {force}
+
+
+def test_auto_loop_updates_its_caches_in_place():
+    """The compiled auto loop (the forced-k test's bucket) copies none of its caches: every round
+    variant writes the main and MTP caches where they are. Passed through a switch whose branches
+    held loops, XLA copied each cache twice per segment, which also held a second copy of them all
+    in memory."""
+    prepared = prepare(gm.model("partial"), [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16]], max_new_tokens=20,
+                       speculative_k="auto")
+    static, params, inputs = prepared.static, prepared.params, prepared.inputs
+    state = jax.eval_shape(start, static, params, inputs)
+    caches = {",".join(map(str, x.shape)) for x in jax.tree.leaves((state.caches, state.mtp_cache))}
+    program = advance.lower(static, params, state, inputs, jax.numpy.int32(1), jax.numpy.zeros_like(inputs.real))
+    copied = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", program.compile().as_text())  # the copies' shapes
+    assert copied and not caches & set(copied), caches & set(copied)
 
 
 def test_auto_follows_acceptance():
