@@ -347,9 +347,10 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
     The auto segment is a chain of while loops, not a lax.switch between round variants: a loop
     that refills the MTP slots (once, where k > 0), then one loop per k, of which only the chosen
     k's runs any round. The state flows from each loop into the next, so XLA updates the caches in
-    place; passed through a switch whose branches hold loops, every cache was copied twice per
-    segment (the demo's rounds at k = 0 took 1.07x / 1.2-1.4x a plain step with 128 / 512-1024
-    cache slots)."""
+    place; passed through a switch whose branches held loops, every cache was copied twice per
+    segment and the program held a second copy of them all (benchmarks/loop_memory.py). XLA:GPU
+    reads each loop's condition on the host: about five reads per segment more than the switch
+    and its loop took."""
     if not static.auto:
         return decode_round(static, static.k, params, state, inputs)
     k = jnp.where(inputs.force_k >= 0, inputs.force_k, best_k(state.counts, inputs.costs))
