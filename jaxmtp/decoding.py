@@ -344,22 +344,24 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
     """The next round at static.k; or with `auto` the next AUTO_SEGMENT rounds (fewer once every
     row is done) at the k that `adaptive.best_k` (or force_k >= 0) says.
 
-    The auto segment is a chain of while loops, not a lax.switch between round variants: a loop
-    that refills the MTP slots (once, where k > 0), then one loop per k, of which only the chosen
-    k's runs any round. The state flows from each loop into the next, so XLA updates the caches in
-    place; passed through a switch whose branches held loops, every cache was copied twice per
-    segment and the program held a second copy of them all (benchmarks/loop_memory.py). XLA:GPU
-    reads each loop's condition on the host: about five reads per segment more than the switch
-    and its loop took."""
+    The auto segment is a chain, not a lax.switch between round variants: the refill of the MTP
+    slots (a conditional, where k > 0), then one while loop per k, of which only the chosen k's
+    runs any round. The state flows from each into the next, so XLA updates the caches in place;
+    passed through a switch whose branches held loops, every cache was copied twice per segment
+    and the program held a second copy of them all (benchmarks/loop_memory.py). XLA:GPU reads
+    each loop's condition and the conditional's predicate on the host: four reads per segment
+    more than the switch and its loop took."""
     if not static.auto:
         return decode_round(static, static.k, params, state, inputs)
     k = jnp.where(inputs.force_k >= 0, inputs.force_k, best_k(state.counts, inputs.costs))
 
-    def refill(carry):  # the segment before may have run at k = 0
-        key, draft_key = jax.random.split(carry[1].key)
-        return True, _refill(static, params, carry[1].replace(key=key), inputs.sampling, draft_key)
+    def refill(state):  # the segment before may have run at k = 0
+        key, draft_key = jax.random.split(state.key)
+        return _refill(static, params, state.replace(key=key), inputs.sampling, draft_key)
 
-    state = jax.lax.while_loop(lambda carry: (k > 0) & ~carry[0], refill, (jnp.bool_(False), state))[1]
+    # A conditional, not a loop run once: XLA would hoist the pass's projections out of such a loop
+    # into every segment, k = 0 included.
+    state = jax.lax.cond(k > 0, refill, lambda state: state, state)
     for j in range(static.k + 1):
         step = lambda carry, j=j: (carry[0] + 1, decode_round(static, j, params, carry[1], inputs))  # noqa: E731
         running = lambda carry, j=j: (k == j) & (carry[0] < AUTO_SEGMENT) & ~jnp.all(carry[1].done)  # noqa: E731
