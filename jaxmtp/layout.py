@@ -28,6 +28,14 @@ its parameters in whichever layout it is given (`layout` attribute), so the mode
   [H * (N + V), C] weight on every step, they made XLA copy and re-lay them out in each layer (the
   demo's 1-row step 1.2x slower on a 2-core EPYC). FP8-kept weights keep theirs: the kernels take
   [out, in] blocks.
+- joint_projections: projections that read the same input stored side by side as one
+  [in, out1 + out2] weight, so that one product computes both: `q_a_proj` with
+  `kv_a_proj_with_mqa` (as `qkv_a_proj`), and `gate_proj` with `up_proj` in every MLP and every
+  split expert (as `gate_up_proj`). Each small product of a decode step costs a kernel call whose
+  overhead its few rows do not amortise: the demo's main forward ran 0.95-0.99x the time at 1 and
+  4 rows (`benchmarks/decode_step.py --base 6b165ac`). Needs inputs_first (the weights are joined
+  along out); not where a mesh splits those weights over `tensor`, whose slices of a joined
+  weight would not be the ones each half needs.
 
 `decode_layout` picks the layout for a model and `convert` derives its parameters, once per model
 (`Model.decoding`): the checkpoint layout for models too large to unroll.
@@ -66,10 +74,13 @@ class Layout:
     split_experts: bool = False
     inputs_first: bool = False
     prefix_attention: bool = False
+    joint_projections: bool = False
 
     def __post_init__(self):
         if (self.split_experts or self.inputs_first) and not self.unrolled:
             raise ValueError(f"{self}: split_experts and inputs_first apply to unrolled layers only")
+        if self.joint_projections and not self.inputs_first:
+            raise ValueError(f"{self}: joint_projections joins [in, out] weights, so it needs inputs_first")
 
 
 CHECKPOINT = Layout()
@@ -93,17 +104,20 @@ def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
     """The layout to decode this model in: the checkpoint's (scanned) for models of more than
     MAX_UNROLLED_BYTES of parameters, otherwise unrolled. Models with weights kept in FP8 stay
     otherwise as they are (the FP8 kernels take the stacked [out, in] blocks). Dense models store
-    projections inputs first, and on a CPU split their experts when there are at most
-    MAX_SPLIT_EXPERTS and no mesh axis runs them expert-parallel (that needs the stack). On a CPU
-    attention reads only a prefix of the cache (prefix_attention)."""
+    projections inputs first, joined where they share an input unless a mesh splits them over
+    `tensor`, and on a CPU split their experts when there are at most MAX_SPLIT_EXPERTS and no
+    mesh axis runs them expert-parallel (that needs the stack). On a CPU attention reads only a
+    prefix of the cache (prefix_attention)."""
     if _bytes(params) > MAX_UNROLLED_BYTES:
         return CHECKPOINT
     cpu = _platform(params, mesh) == "cpu"
     if is_quantized(params):
         return Layout(unrolled=True, prefix_attention=cpu)
-    parallel = mesh is not None and mesh.shape.get("expert", 1) * mesh.shape.get("tensor", 1) > 1
+    tensor = mesh is not None and mesh.shape.get("tensor", 1) > 1
+    parallel = tensor or (mesh is not None and mesh.shape.get("expert", 1) > 1)
     split = config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel and cpu
-    return Layout(unrolled=True, split_experts=split, inputs_first=True, prefix_attention=cpu)
+    return Layout(unrolled=True, split_experts=split, inputs_first=True, prefix_attention=cpu,
+                  joint_projections=not tensor)
 
 
 def _platform(params, mesh) -> str:
@@ -120,6 +134,8 @@ def convert(params, layout: Layout, config: ModelConfig):
     where the arrangement changes; jit it to keep a mesh's shardings)."""
     if not layout.unrolled:
         return params
+    if layout.joint_projections and is_quantized(params):
+        raise ValueError(f"{layout}: FP8-kept weights cannot be joined (their kernels take [out, in] blocks)")
     params = dict(params)
     for group in ("dense_layers", "moe_layers"):
         if group in params:
@@ -132,6 +148,8 @@ def convert(params, layout: Layout, config: ModelConfig):
         params = _per_head_up_projections(params, config)
         params = jax.tree_util.tree_map_with_path(_to_inputs_first, params,
                                                   is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    if layout.joint_projections:
+        params = _joint_projections(params)
     return params
 
 
@@ -158,6 +176,25 @@ def _per_head_up_projections(tree, config: ModelConfig):
         key, value = up_projections(tree["kv_b_proj"]["weight"], config)
         tree = dict(tree, kv_b_proj={"key": key, "value": value})
     return {key: _per_head_up_projections(value, config) for key, value in tree.items()}
+
+
+def _joint_projections(tree):
+    """Inputs-first weights that read the same input, side by side along out: every {q_a_proj,
+    kv_a_proj_with_mqa} -> qkv_a_proj, every MLP's {gate_proj, up_proj} -> gate_up_proj, and every
+    split expert's (tuples of E weights) likewise; stacked experts ([E, out, in]) stay apart."""
+    if not isinstance(tree, dict):
+        return tree
+    tree = {key: _joint_projections(value) for key, value in tree.items()}
+    join = lambda first, second: jax.numpy.concatenate([first, second], axis=1)  # noqa: E731
+    if "q_a_proj" in tree:
+        q_a, kv_a = tree.pop("q_a_proj"), tree.pop("kv_a_proj_with_mqa")
+        tree["qkv_a_proj"] = {"weight": join(q_a["weight"], kv_a["weight"])}
+    gate = tree.get("gate_proj")
+    if isinstance(gate, dict):
+        tree["gate_up_proj"] = {"weight": join(tree.pop("gate_proj")["weight"], tree.pop("up_proj")["weight"])}
+    elif isinstance(gate, tuple):
+        tree["gate_up_proj"] = tuple(map(join, tree.pop("gate_proj"), tree.pop("up_proj")))
+    return tree
 
 
 def up_projections(kv_b, config: ModelConfig):

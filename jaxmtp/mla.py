@@ -41,10 +41,14 @@ class MLA(nn.Module):
         if c.q_lora_rank is None:
             self.q_proj = lin(D, H * c.qk_head_dim, ("heads", "embed"))
         else:
-            self.q_a_proj = lin(D, c.q_lora_rank, ("q_lora", "embed"))
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, self.dtype)
             self.q_b_proj = lin(c.q_lora_rank, H * c.qk_head_dim, ("heads", "q_lora"))
-        self.kv_a_proj_with_mqa = lin(D, c.cache_width, ("kv_lora", "embed"))
+        if self.joint:
+            self.qkv_a_proj = lin(D, c.q_lora_rank + c.cache_width, ("kv_lora", "embed"))
+        else:
+            if c.q_lora_rank is not None:
+                self.q_a_proj = lin(D, c.q_lora_rank, ("q_lora", "embed"))
+            self.kv_a_proj_with_mqa = lin(D, c.cache_width, ("kv_lora", "embed"))
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, self.dtype)
         if self.layout.inputs_first:  # stored as what it is read as: per-head up-projections
             self.kv_b_proj = UpProjections(c, self.dtype)
@@ -53,9 +57,15 @@ class MLA(nn.Module):
                                  CHECKPOINT)
         self.o_proj = lin(H * c.v_head_dim, D, ("embed", "heads"))
 
+    @property
+    def joint(self) -> bool:
+        """q_a_proj and kv_a_proj_with_mqa stored as one weight `qkv_a_proj` (jaxmtp.layout)."""
+        return self.layout.joint_projections and self.config.q_lora_rank is not None
+
     def __call__(self, x: jax.Array, positions: jax.Array, cache: MLACache | None = None):
-        q_nope, q_pe = self.queries(x, positions)
-        c_kv, k_pe = self.compress(x, positions)
+        q_input, kv_a = self.down_projections(x)
+        q_nope, q_pe = self.queries(q_input, positions)
+        c_kv, k_pe = self.compress(kv_a, positions)
         attend = self.attend_absorbed if self.absorbed else self.attend_expanded
         if cache is None:
             out = attend(q_nope, q_pe, c_kv, k_pe, positions[:, None, :] <= positions[:, :, None])  # [B, T, H, V]
@@ -82,17 +92,27 @@ class MLA(nn.Module):
         shortest = jnp.searchsorted(jnp.asarray(lengths), positions.max(), side="right")
         return jax.lax.switch(shortest, [over(n) for n in lengths], *operands)
 
-    def queries(self, x, positions):
-        """-> q_nope [B, T, H, N], q_pe [B, T, H, R] (rotated)."""
+    def down_projections(self, x):
+        """x [B, T, D] -> (the queries' input: q_a_proj(x) [B, T, Q], or x itself without a query
+        LoRA; kv_a_proj_with_mqa(x) [B, T, C + R]), one product for both where they are joint."""
         c = self.config
-        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if self.joint:
+            q_a, kv_a = jnp.split(self.qkv_a_proj(x), [c.q_lora_rank], axis=-1)
+            return q_a, kv_a
+        return (x if c.q_lora_rank is None else self.q_a_proj(x)), self.kv_a_proj_with_mqa(x)
+
+    def queries(self, q_input, positions):
+        """q_input from down_projections -> q_nope [B, T, H, N], q_pe [B, T, H, R] (rotated)."""
+        c = self.config
+        q = self.q_proj(q_input) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_input))
         q = q.reshape(q.shape[:2] + (c.num_attention_heads, c.qk_head_dim))
         q_nope, q_pe = jnp.split(q, [c.qk_nope_head_dim], axis=-1)
         return q_nope, apply_rope(q_pe, positions, c)
 
-    def compress(self, x, positions):
-        """-> c_kv [B, T, C] (after kv_a_layernorm), k_pe [B, T, R] (rotated): what the cache holds."""
-        c_kv, k_pe = jnp.split(self.kv_a_proj_with_mqa(x), [self.config.kv_lora_rank], axis=-1)
+    def compress(self, kv_a, positions):
+        """kv_a [B, T, C + R] -> c_kv [B, T, C] (after kv_a_layernorm), k_pe [B, T, R] (rotated):
+        what the cache holds."""
+        c_kv, k_pe = jnp.split(kv_a, [self.config.kv_lora_rank], axis=-1)
         return self.kv_a_layernorm(c_kv), apply_rope(k_pe, positions, self.config)
 
     def up_projections(self):

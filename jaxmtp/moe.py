@@ -18,7 +18,8 @@ from jaxmtp.quant import QuantizedWeight, grouped_linear, linear, runs_fp8
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)). x: [..., D] -> [..., D]."""
+    """down(silu(gate(x)) * up(x)); gate and up as one weight `gate_up_proj` with
+    layout.joint_projections. x: [..., D] -> [..., D]."""
 
     config: ModelConfig
     intermediate_size: int
@@ -28,18 +29,30 @@ class MLP(nn.Module):
 
     def setup(self):
         D, I, std, layout = self.config.hidden_size, self.intermediate_size, self.config.initializer_range, self.layout
-        self.gate_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std, layout)
-        self.up_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std, layout)
+        if layout.joint_projections:
+            self.gate_up_proj = Linear(D, 2 * I, (self.axis, "embed"), self.dtype, std, layout)
+        else:
+            self.gate_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std, layout)
+            self.up_proj = Linear(D, I, (self.axis, "embed"), self.dtype, std, layout)
         self.down_proj = Linear(I, D, ("embed", self.axis), self.dtype, std, layout)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.layout.joint_projections:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
 
 
 def swiglu(x, gate, up, down, inputs_first: bool):
     """One expert on its own weights (what MLP computes): x [N, D] -> [N, D]; weights [I, D] /
-    [D, I] ([D, I] / [I, D] inputs first), dense or QuantizedWeight."""
-    return linear(nn.silu(linear(x, gate, inputs_first)) * linear(x, up, inputs_first), down, inputs_first)
+    [D, I] ([D, I] / [I, D] inputs first), dense or QuantizedWeight. up None: gate is the
+    joint [D, 2I] weight of gate and up (layout.joint_projections)."""
+    if up is None:
+        gate_x, up_x = jnp.split(linear(x, gate, inputs_first), 2, axis=-1)
+    else:
+        gate_x, up_x = linear(x, gate, inputs_first), linear(x, up, inputs_first)
+    return linear(nn.silu(gate_x) * up_x, down, inputs_first)
 
 
 def route(logits: jax.Array, bias: jax.Array, config: ModelConfig):
@@ -87,7 +100,8 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts, weights stacked [E, out, in], or (layout.split_experts) a tuple of E
-    per-expert weights [out, in] ([in, out] inputs first)."""
+    per-expert weights [out, in] ([in, out] inputs first; gate and up joined as `gate_up_proj`
+    with layout.joint_projections)."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
@@ -99,8 +113,11 @@ class Experts(nn.Module):
         c = self.config
         E, I, D = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
         if self.layout.split_experts:
-            gate, up, down = (self.param(name, self.split_init, shape) for name, shape in
-                              (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))))
+            if self.layout.joint_projections:
+                gate, up = self.param("gate_up_proj", self.split_init, (2 * I, D)), (None,) * E
+            else:
+                gate, up = (self.param(name, self.split_init, (I, D)) for name in ("gate_proj", "up_proj"))
+            down = self.param("down_proj", self.split_init, (D, I))
             return split_experts(x, weights, experts, gate, up, down, self.layout.inputs_first)
         init = lambda axes: normal_init(c.initializer_range, axes)  # noqa: E731
         gate = self.param("gate_proj", init(("expert", "expert_mlp", "embed")), (E, I, D), self.dtype)
@@ -130,7 +147,8 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
     run; on one row its products cost about 0.6x the 4-row ones at the demo's widths
     (benchmarks/row_products.py). With many tokens (prefill) most experts run over every token,
     up to E / K times the routed FLOPs, which the few experts of a split layout keep small.
-    x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights -> [N, D]."""
+    x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights (up: E Nones where gate
+    holds both, see swiglu) -> [N, D]."""
     combine = (jax.nn.one_hot(experts, len(gate), dtype=x.dtype) * weights[..., None].astype(x.dtype)).sum(axis=1)
     chosen = combine != 0  # [N, E]
     count = chosen.sum(axis=0)  # [E] rows per expert: lax.switch clamps it to the last branch

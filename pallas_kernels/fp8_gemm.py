@@ -195,9 +195,10 @@ def act_quant(x, *, interpret=None, target=None):
       target: a `Backend` overriding the detection (e.g. to force the integer FP8 fallback).
     Returns:
       (x_fp8 [..., K] float8_e4m3fn, scales [..., ceil(K/128)] float32) for finite x. Both
-      divisions are the backend's: XLA (interpret mode, like `act_quant_reference`, with which
-      the result is then bit-equal) computes a / broadcast(b) as a * (1 / b), so a scale can be
-      1 ulp from the IEEE amax / 448 that Triton's division (and DeepSeek's kernel) gives.
+      divisions are the backend's: XLA (interpret mode, like `act_quant_reference`) may compute
+      a / b as a * (1 / b), so a scale can be 1 ulp from the IEEE amax / 448 that Triton's
+      division (and DeepSeek's kernel) gives, and from the reference's where XLA rounds the two
+      programs differently.
     """
     target = target or backend(interpret)
     q, s = _act_quant(x.reshape(-1, x.shape[-1]), target)

@@ -62,9 +62,13 @@ def test_act_quant_and_block_matmul_match_numpy(m, n, k, batch, dtype, target, s
     xq, xs = act_quant(x, target=target)
     assert xq.dtype == jnp.float8_e4m3fn and xs.dtype == jnp.float32
     if target.interpret:  # XLA's arithmetic, as in the reference; compiled kernels divide as IEEE does
+        # XLA may round amax / 448 as a quotient in one program and as amax * (1 / 448) in the
+        # other (m=1, k=7, bfloat16, seed 8: 1 ulp apart), so: scales within 1 ulp, and the same
+        # values wherever the scales are the same.
         ref_q, ref_s = act_quant_reference(x)
-        np.testing.assert_array_equal(bits(xq), bits(ref_q))
-        np.testing.assert_array_equal(np.asarray(xs), np.asarray(ref_s))
+        np.testing.assert_array_max_ulp(np.asarray(xs), np.asarray(ref_s), maxulp=1)
+        same = np.repeat(np.asarray(xs) == np.asarray(ref_s), 128, axis=-1)[..., :k]
+        np.testing.assert_array_equal(bits(xq)[same], bits(ref_q)[same])
     assert_quantized_like_numpy(np.asarray(x, np.float32), xq, xs)
     w, ws = _random_weight(rng, (n, k))
     got = fp8_block_matmul(xq, xs, w, ws, jnp.float32, target=target)

@@ -40,10 +40,11 @@ def test_mtp_matches_transformers_mtp_layer(pair):
 
 
 def test_decode_layout_matches_transformers(pair):
-    """The layout generation decodes in (unrolled, split experts, [in, out] weights) is the same model."""
+    """The layout generation decodes in (unrolled, split experts, [in, out] weights, joint
+    projections) is the same model."""
     main, mtp, model, ids = pair
     decoding = model.decoding()
-    assert decoding.layout.unrolled and decoding.layout.inputs_first
+    assert decoding.layout.unrolled and decoding.layout.inputs_first and decoding.layout.joint_projections
     with torch.no_grad():
         expected_logits = main(ids[:, :LENGTH]).logits.numpy()
         hidden = main.model(ids[:, :LENGTH]).last_hidden_state

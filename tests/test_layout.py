@@ -1,4 +1,5 @@
-"""The decode layout (unrolled layers, split experts, [in, out] weights) computes the same model."""
+"""The decode layout (unrolled layers, split experts, [in, out] weights, joint projections)
+computes the same model."""
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,10 @@ def _relative(a, b):
 
 
 @pytest.mark.parametrize("layout", [Layout(unrolled=True), Layout(unrolled=True, inputs_first=True),
-                                    Layout(unrolled=True, split_experts=True, inputs_first=True)])
+                                    Layout(unrolled=True, inputs_first=True, joint_projections=True),
+                                    Layout(unrolled=True, split_experts=True, inputs_first=True),
+                                    Layout(unrolled=True, split_experts=True, inputs_first=True,
+                                           joint_projections=True)])
 def test_forward_and_mtp_equal_the_checkpoint_layout(layout):
     model = gm.model("random")
     converted = model.with_layout(layout)
@@ -31,9 +35,19 @@ def test_forward_and_mtp_equal_the_checkpoint_layout(layout):
 def test_converted_parameters_are_the_checkpoint_tensors_rearranged():
     model = gm.model("random")
     dense = model.with_layout(decode_layout(model.config, model.params))
-    assert dense.layout == Layout(unrolled=True, split_experts=True, inputs_first=True, prefix_attention=True)
+    assert dense.layout == Layout(unrolled=True, split_experts=True, inputs_first=True, prefix_attention=True,
+                                  joint_projections=True)
     stacked, layer = model.params["moe_layers"]["layers"], dense.params["moe_layers"]["layers_1"]
     np.testing.assert_array_equal(layer["self_attn"]["q_b_proj"]["weight"], stacked["self_attn"]["q_b_proj"]["weight"][1].T)
+    attention = stacked["self_attn"]  # joint: q_a_proj's columns, then kv_a_proj_with_mqa's
+    np.testing.assert_array_equal(layer["self_attn"]["qkv_a_proj"]["weight"], np.concatenate(
+        [attention["q_a_proj"]["weight"][1].T, attention["kv_a_proj_with_mqa"]["weight"][1].T], axis=1))
+    shared = stacked["mlp"]["shared_experts"]
+    np.testing.assert_array_equal(layer["mlp"]["shared_experts"]["gate_up_proj"]["weight"], np.concatenate(
+        [shared["gate_proj"]["weight"][1].T, shared["up_proj"]["weight"][1].T], axis=1))
+    experts = stacked["mlp"]["experts"]
+    np.testing.assert_array_equal(layer["mlp"]["experts"]["gate_up_proj"][5], np.concatenate(
+        [experts["gate_proj"][1, 5].T, experts["up_proj"][1, 5].T], axis=1))
     c = model.config  # kv_b_proj's rows are per head: N key rows, then V value rows
     per_head = stacked["self_attn"]["kv_b_proj"]["weight"][1].reshape(c.num_attention_heads, -1, c.kv_lora_rank)
     np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["key"], per_head[:, :c.qk_nope_head_dim])
@@ -54,14 +68,19 @@ def test_fp8_kept_weights_are_only_unrolled_and_still_exact():
     weight = converted.params["moe_layers"]["layers_0"]["self_attn"]["o_proj"]["weight"]
     assert isinstance(weight, QuantizedWeight) and weight.value.ndim == 2
     assert _relative(converted.forward(TOKENS)[0], fp8.forward(TOKENS)[0]) < 1e-5
+    with pytest.raises(ValueError, match="cannot be joined"):
+        fp8.with_layout(Layout(unrolled=True, inputs_first=True, joint_projections=True))
 
 
 def test_a_mesh_that_runs_experts_in_parallel_keeps_them_stacked():
     from jaxmtp.sharding import make_mesh
 
-    mesh = make_mesh(expert=2, tensor=4)
-    assert not decode_layout(gm.TINY, gm.model("random").params, mesh).split_experts
-    assert decode_layout(gm.TINY, gm.model("random").params, make_mesh(data=8)).split_experts
+    params = gm.model("random").params
+    assert not decode_layout(gm.TINY, params, make_mesh(expert=2, tensor=4)).split_experts
+    assert decode_layout(gm.TINY, params, make_mesh(data=8)).split_experts
+    # Weights split over `tensor` stay apart: a device's slice of a joint one is not what each half needs.
+    assert not decode_layout(gm.TINY, params, make_mesh(data=2, tensor=4)).joint_projections
+    assert decode_layout(gm.TINY, params, make_mesh(expert=8)).joint_projections
 
 
 def test_experts_stay_stacked_on_a_gpu():
@@ -70,12 +89,14 @@ def test_experts_stay_stacked_on_a_gpu():
 
     gpu = types.SimpleNamespace(shape={"data": 1}, devices=np.array([types.SimpleNamespace(platform="gpu")]))
     layout = decode_layout(gm.TINY, gm.model("random").params, gpu)
-    assert layout == Layout(unrolled=True, inputs_first=True)
+    assert layout == Layout(unrolled=True, inputs_first=True, joint_projections=True)
 
 
 def test_layout_rules():
     with pytest.raises(ValueError, match="unrolled layers only"):
         Layout(inputs_first=True)
+    with pytest.raises(ValueError, match="needs inputs_first"):
+        Layout(unrolled=True, joint_projections=True)
     model = gm.model("random")
     assert model.decoding() is model.decoding()  # converted once, kept
     assert model.decoding().decoding() is model.decoding()
@@ -98,11 +119,11 @@ def test_split_experts_match_the_per_token_formula():
         weights = rng.uniform(0.1, 2.0, (tokens, 2)).astype(np.float32)
         rows_per_expert |= {(tokens > 1, min(n, 2)) for n in np.bincount(experts.ravel(), minlength=8)}
         want = reference_experts(x, weights, experts, gate, up, down)
-        for inputs_first in (False, True):
-            arrange = (lambda w: tuple(jnp.asarray(e.T) for e in w)) if inputs_first else \
-                (lambda w: tuple(jnp.asarray(e) for e in w))
-            got = jax.jit(split_experts, static_argnums=6)(x, weights, experts, arrange(gate), arrange(up), arrange(down),
-                                                            inputs_first)
+        out_in = tuple(map(jnp.asarray, gate)), tuple(map(jnp.asarray, up)), tuple(map(jnp.asarray, down))
+        in_out = tuple(tuple(jnp.asarray(e.T) for e in w) for w in (gate, up, down))
+        joint = tuple(jnp.concatenate([g, u], axis=1) for g, u in zip(*in_out[:2])), (None,) * 8, in_out[2]
+        for (g, u, d), inputs_first in ((out_in, False), (in_out, True), (joint, True)):
+            got = jax.jit(split_experts, static_argnums=6)(x, weights, experts, g, u, d, inputs_first)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert rows_per_expert >= {(True, 0), (True, 1), (True, 2)}, rows_per_expert  # every branch of several rows ran
 
