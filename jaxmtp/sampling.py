@@ -61,6 +61,16 @@ def probabilities(logits: jax.Array, mode: SamplingMode, params: SamplingParams)
     return probs
 
 
+def greedy(logits: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first of tied maxima, a NaN counted largest), as one max
+    and one min reduction: XLA CPU runs argmax's paired value-and-index reduction as a scalar loop
+    (a [4, 2048] argmax 46 us against 6 us, `python benchmarks/argmax.py`). logits [..., V] -> [...] int32."""
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN where a row has one
+    hit = (logits == top) | jnp.isnan(logits)
+    vocab = logits.shape[-1]
+    return jnp.min(jnp.where(hit, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+
+
 def draw(key: jax.Array, probs: jax.Array) -> jax.Array:
     """One token per row from probs [..., V] -> [...] int32."""
     return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
@@ -70,7 +80,7 @@ def choose(key: jax.Array, logits: jax.Array, mode: SamplingMode, params: Sampli
     """Picks a token per row. logits [..., V] -> (tokens [...], the distribution drawn from [..., V],
     or None when greedy)."""
     if mode.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return greedy(logits), None
     probs = probabilities(logits, mode, params)
     return draw(key, probs), probs
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.sampling import SamplingMode, SamplingParams, draw, probabilities
+from jaxmtp.sampling import SamplingMode, SamplingParams, draw, greedy, probabilities
 
 
 def leading_run(ok: jax.Array) -> jax.Array:
@@ -22,7 +22,7 @@ def leading_run(ok: jax.Array) -> jax.Array:
 
 def verify_greedy(drafts: jax.Array, target_logits: jax.Array):
     """drafts [B, k], target_logits [B, k+1, V] -> (accepted count a [B], token after them [B])."""
-    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
+    best = greedy(target_logits)  # [B, k+1]
     accepted = leading_run(drafts == best[:, :-1])
     return accepted, jnp.take_along_axis(best, accepted[:, None], axis=1)[:, 0]
 

@@ -331,6 +331,17 @@ def test_auto_runs_the_plain_loop_when_no_k_pays_at_the_prior():
     assert not prepared.with_costs([1.2, 1.75, 2.3, 2.7, 3.0]).static.auto
 
 
+def test_greedy_choice_is_numpys_argmax_with_ties_and_nans():
+    from jaxmtp.sampling import greedy
+
+    logits = np.random.default_rng(0).normal(size=(5, 3, 2048)).astype(np.float32)
+    logits[1, :, [5, 900]] = 10.0  # tied maxima: the first wins
+    logits[2, 0] = -np.inf  # all tied
+    logits[3, 1, [1500, 7, 40]] = [np.inf, np.nan, np.nan]  # a NaN counts largest, the first of them
+    logits[4] = np.round(logits[4])  # many ties
+    np.testing.assert_array_equal(greedy(jax.numpy.asarray(logits)), np.argmax(logits, axis=-1))
+
+
 def test_expected_tokens_and_best_k_follow_the_formula():
     from jaxmtp.adaptive import DECAY, PRIOR_ACCEPTANCE, PRIOR_ROUNDS, AcceptanceCounts, best_k, expected_tokens
 

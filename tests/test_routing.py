@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmtp
-from jaxmtp.moe import route
+from jaxmtp.moe import route, top_two_sum
 
 
 def reference_route(logits, bias, n_group, topk_group, top_k, norm, scale):
@@ -50,6 +50,17 @@ def test_routing_matches_reference(seed, n_group, norm, negative_bias):
     ref_order = np.argsort(ref_e, axis=1)
     np.testing.assert_array_equal(got_e, np.take_along_axis(ref_e, ref_order, 1))
     np.testing.assert_allclose(got_w, np.take_along_axis(ref_w, ref_order, 1), rtol=1e-5)
+
+
+def test_top_two_sum_is_the_sum_of_the_two_largest():
+    x = np.random.default_rng(1).normal(size=(5, 4, 8)).astype(np.float32)
+    x[1, 2, [3, 6]] = 5.0  # a tied maximum counts twice
+    x[2] = np.round(x[2])  # many ties
+    x[3, 0] = -np.inf
+    x[4, 1, 2] = -np.inf
+    for size in (2, 3, 8):  # the demo's groups hold 2 experts, DeepSeek-V3's 32
+        want = np.sort(x[..., :size], axis=-1)[..., -2:].sum(-1)
+        np.testing.assert_array_equal(top_two_sum(jnp.asarray(x[..., :size])), want)
 
 
 def reference_experts(x, weights, experts, gate, up, down):
