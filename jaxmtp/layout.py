@@ -33,9 +33,9 @@ its parameters in whichever layout it is given (`layout` attribute), so the mode
   `kv_a_proj_with_mqa` (as `qkv_a_proj`), and `gate_proj` with `up_proj` in every MLP and every
   split expert (as `gate_up_proj`). Each small product of a decode step costs a kernel call whose
   overhead its few rows do not amortise: the demo's main forward ran 0.93-1.00x the time at 1 row
-  and 0.96-0.99x at 4 (`benchmarks/decode_step.py --base 6b165ac`). Needs inputs_first (the weights are joined
-  along out); not where a mesh splits those weights over `tensor`, whose slices of a joined
-  weight would not be the ones each half needs.
+  and 0.96-0.99x at 4 (`benchmarks/decode_step.py --base 6b165ac`). Needs inputs_first (the
+  weights are joined along out); not where a mesh splits those weights over `tensor`, whose
+  slices of a joined weight would not be the ones each half needs.
 
 `decode_layout` picks the layout for a model and `convert` derives its parameters, once per model
 (`Model.decoding`): the checkpoint layout for models too large to unroll.
