@@ -40,13 +40,19 @@ class MLACache:
           c_kv: [B, T, C]; k_pe: [B, T, R].
 
         A scatter promised in bounds, to unique indices: XLA updates the cache in place, where the
-        bounds-checked form ("drop") made it copy the whole cache on every step.
+        bounds-checked form ("drop") made it copy the whole cache on every step. One row (batch 1)
+        is one dynamic_update_slice at its first position: XLA CPU turned a one-token scatter into
+        a slice update guarded by a bounds check, 4 more kernels per layer (the demo's 1-row step
+        about 1.1x the time).
         """
         rows = jnp.arange(positions.shape[0])[:, None]
 
         def put(cache, new):
-            return cache.at[rows, positions].set(new.astype(cache.dtype), mode="promise_in_bounds",
-                                                 unique_indices=True, indices_are_sorted=True)
+            new = new.astype(cache.dtype)
+            if positions.shape[0] == 1:
+                return jax.lax.dynamic_update_slice_in_dim(cache, new, positions[0, 0], axis=-2)
+            return cache.at[rows, positions].set(new, mode="promise_in_bounds", unique_indices=True,
+                                                 indices_are_sorted=True)
 
         return MLACache(c_kv=put(self.c_kv, c_kv), k_pe=put(self.k_pe, k_pe))
 

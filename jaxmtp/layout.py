@@ -24,10 +24,11 @@ its parameters in whichever layout it is given (`layout` attribute), so the mode
 - inputs_first: dense projection weights stored [in, out], multiplied as x @ W. For two or more
   rows XLA's CPU GEMM re-packs an [out, in] weight on every call (x[4, 128] times a 512 x 128
   weight: 11.7 us vs 3.8 us stored [in, out], on a 2-core Xeon). kv_b_proj is only read as per-head
-  up-projections, so it is stored as those: `key` [H, N, C] and `value` [H, V, C]. Cut out of the
-  [H * (N + V), C] weight on every step, they made XLA copy and re-lay them out in each layer (the
-  demo's 1-row step 1.2x slower on a 2-core EPYC). FP8-kept weights keep theirs: the kernels take
-  [out, in] blocks.
+  up-projections, so it is stored as those, each input first as in the absorbed attention's
+  products: `key` [H, N, C] (q_nope -> latent) and `value` [H, C, V] (latent -> values). Cut out of
+  the [H * (N + V), C] weight on every step, they made XLA copy and re-lay them out in each layer
+  (the demo's 1-row step 1.2x slower on a 2-core EPYC). FP8-kept weights keep theirs: the kernels
+  take [out, in] blocks.
 - joint_projections: projections that read the same input stored side by side as one
   [in, out1 + out2] weight, so that one product computes both: `q_a_proj` with
   `kv_a_proj_with_mqa` (as `qkv_a_proj`), and `gate_proj` with `up_proj` in every MLP and every
@@ -169,7 +170,7 @@ def _split_experts(tree):
 
 
 def _per_head_up_projections(tree, config: ModelConfig):
-    """Every `kv_b_proj` {weight: [H * (N + V), C]} -> {key: [H, N, C], value: [H, V, C]}."""
+    """Every `kv_b_proj` {weight: [H * (N + V), C]} -> {key: [H, N, C], value: [H, C, V]}."""
     if not isinstance(tree, dict):
         return tree
     if "kv_b_proj" in tree:
@@ -198,10 +199,11 @@ def _joint_projections(tree):
 
 
 def up_projections(kv_b, config: ModelConfig):
-    """The checkpoint's kv_b_proj weight [H * (N + V), C] viewed per head -> W_uk [H, N, C], W_uv [H, V, C]."""
+    """The checkpoint's kv_b_proj weight [H * (N + V), C] viewed per head, each product's input
+    first -> W_uk [H, N, C] (q_nope -> latent), W_uv [H, C, V] (latent -> values)."""
     c = config
     per_head = kv_b.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-    return per_head[:, :c.qk_nope_head_dim], per_head[:, c.qk_nope_head_dim:]
+    return per_head[:, :c.qk_nope_head_dim], per_head[:, c.qk_nope_head_dim:].transpose(0, 2, 1)
 
 
 def _to_inputs_first(path, leaf):

@@ -116,7 +116,7 @@ class MLA(nn.Module):
         return self.kv_a_layernorm(c_kv), apply_rope(k_pe, positions, self.config)
 
     def up_projections(self):
-        """kv_b_proj viewed per head -> W_uk [H, N, C], W_uv [H, V, C]."""
+        """kv_b_proj viewed per head -> W_uk [H, N, C], W_uv [H, C, V]."""
         if self.layout.inputs_first:
             return self.kv_b_proj.key, self.kv_b_proj.value
         return up_projections(as_dense(self.kv_b_proj.weight, self.dtype), self.config)
@@ -124,7 +124,7 @@ class MLA(nn.Module):
     def attend_expanded(self, q_nope, q_pe, c_kv, k_pe, mask):
         w_uk, w_uv = self.up_projections()
         k_nope = jnp.einsum("bsc,hnc->bshn", c_kv, w_uk.astype(c_kv.dtype))
-        v = jnp.einsum("bsc,hvc->bshv", c_kv, w_uv.astype(c_kv.dtype))
+        v = jnp.einsum("bsc,hcv->bshv", c_kv, w_uv.astype(c_kv.dtype))
         scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope) + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe)
         probs = self.softmax(scores, mask).astype(v.dtype)
         return jnp.einsum("bhts,bshv->bthv", probs, v)
@@ -143,8 +143,18 @@ class MLA(nn.Module):
         q_latent = q_latent.transpose(1, 0, 2).reshape(b, t, h, -1)  # [B, T, H, C]
         scores = jnp.einsum("bsc,bthc->bhts", c_kv, q_latent) + jnp.einsum("bsr,bthr->bhts", k_pe, q_pe)
         probs = self.softmax(scores, mask).astype(c_kv.dtype)
-        out_latent = jnp.einsum("bhts,bsc->bthc", probs, c_kv)
-        return jnp.einsum("bthc,hvc->bthv", out_latent, w_uv.astype(out_latent.dtype))
+        # The attended latent in the order W_uv's product reads it, batched over heads as W_uk's:
+        # [H, B*T, C] times [H, C, V]. Several query rows: probabilities times the cache, rows as
+        # M. Asked for as the latent per row and head (bthc), XLA CPU computed it transposed, the
+        # cache as M against B*T*H columns: 3x the time at 4 rows of the demo. One query row keeps
+        # that form: the rows-as-M one there made XLA write each layer's new cache entry twice,
+        # the second time into a copy of the whole cache (1.2x the step's time).
+        if t == 1:
+            out_latent = jnp.einsum("bhts,bsc->bthc", probs, c_kv).transpose(2, 0, 1, 3)  # [H, B, 1, C]
+        else:
+            out_latent = jnp.einsum("bhts,bsc->bhtc", probs, c_kv).transpose(1, 0, 2, 3)  # [H, B, T, C]
+        out = jnp.einsum("hmc,hcv->hmv", out_latent.reshape(h, b * t, -1), w_uv.astype(out_latent.dtype))
+        return out.reshape(h, b, t, -1).transpose(1, 2, 0, 3)  # [B, T, H, V]
 
     def softmax(self, scores, mask):
         """Scaled, masked softmax in float32. scores [B, H, T, S], mask [B, T, S]."""
@@ -155,13 +165,13 @@ class MLA(nn.Module):
 
 class UpProjections(nn.Module):
     """kv_b_proj in the decode layout (jaxmtp.layout): the checkpoint's [H * (N + V), C] weight as
-    key [H, N, C] (W_uk) and value [H, V, C] (W_uv)."""
+    key [H, N, C] (W_uk) and value [H, C, V] (W_uv), each product's input first."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
 
     def setup(self):
         c, H = self.config, self.config.num_attention_heads
-        init = lambda: normal_init(c.initializer_range, ("heads", "head_dim", "kv_lora"))  # noqa: E731
-        self.key = self.param("key", init(), (H, c.qk_nope_head_dim, c.kv_lora_rank), self.dtype)
-        self.value = self.param("value", init(), (H, c.v_head_dim, c.kv_lora_rank), self.dtype)
+        init = lambda *axes: normal_init(c.initializer_range, ("heads", *axes))  # noqa: E731
+        self.key = self.param("key", init("head_dim", "kv_lora"), (H, c.qk_nope_head_dim, c.kv_lora_rank), self.dtype)
+        self.value = self.param("value", init("kv_lora", "head_dim"), (H, c.kv_lora_rank, c.v_head_dim), self.dtype)

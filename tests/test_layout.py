@@ -51,7 +51,9 @@ def test_converted_parameters_are_the_checkpoint_tensors_rearranged():
     c = model.config  # kv_b_proj's rows are per head: N key rows, then V value rows
     per_head = stacked["self_attn"]["kv_b_proj"]["weight"][1].reshape(c.num_attention_heads, -1, c.kv_lora_rank)
     np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["key"], per_head[:, :c.qk_nope_head_dim])
-    np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["value"], per_head[:, c.qk_nope_head_dim:])
+    # the value half maps the latent to values: stored latent (its input) first, [H, C, V]
+    np.testing.assert_array_equal(layer["self_attn"]["kv_b_proj"]["value"],
+                                  per_head[:, c.qk_nope_head_dim:].transpose(0, 2, 1))
     assert per_head.shape[1] == c.qk_nope_head_dim + c.v_head_dim
     np.testing.assert_array_equal(layer["mlp"]["experts"]["down_proj"][5], stacked["mlp"]["experts"]["down_proj"][1, 5].T)
     np.testing.assert_array_equal(layer["mlp"]["gate"]["weight"], stacked["mlp"]["gate"]["weight"][1].T)

@@ -20,13 +20,16 @@ def _relative_error(a, b):
 
 
 @pytest.mark.parametrize("q_lora_rank", [48, None])
-def test_expanded_and_absorbed_agree_over_one_cache(q_lora_rank):
+@pytest.mark.parametrize("batch, rows", [(3, 4), (1, 4), (1, 1)])
+def test_expanded_and_absorbed_agree_over_one_cache(q_lora_rank, batch, rows):
+    """One row's cache is written by a dynamic_update_slice, several rows' by a scatter; one query
+    row's absorbed form contracts in another order than several rows' (MLA.attend_absorbed)."""
     cfg = CONFIG.replace(q_lora_rank=q_lora_rank)
-    batch, max_len = 3, 24
+    max_len = 24
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(batch, 4, cfg.hidden_size)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(batch, rows, cfg.hidden_size)), jnp.float32)
     # Each row continues its own sequence: queries at different absolute positions.
-    positions = jnp.asarray([[5, 6, 7, 8], [0, 1, 2, 3], [15, 16, 17, 18]], jnp.int32)
+    positions = jnp.asarray([5, 0, 15][:batch], jnp.int32)[:, None] + jnp.arange(rows, dtype=jnp.int32)
     cache = MLACache(c_kv=jnp.asarray(rng.normal(size=(batch, max_len, cfg.kv_lora_rank)), jnp.float32),
                      k_pe=jnp.asarray(rng.normal(size=(batch, max_len, cfg.qk_rope_head_dim)), jnp.float32))
     params = MLA(cfg).init(jax.random.key(1), x, positions, cache)
@@ -61,20 +64,22 @@ def test_cached_absorbed_decode_equals_uncached_forward():
     assert _relative_error(jnp.concatenate(rows, axis=1), full_logits) <= 1e-5
 
 
-def test_prefix_attention_decode_equals_uncached_forward(monkeypatch):
+@pytest.mark.parametrize("batch", [2, 1])
+def test_prefix_attention_decode_equals_uncached_forward(monkeypatch, batch):
     """The CPU decode layout attends over the cache's shortest prefix that holds the query
     positions (64, 128 or 256 of 256 slots here, with prefixes from 64 slots). Prefill 60 tokens,
     then decode one by one, with a 3-row pass across slot 64 and one across slot 128: every logit
-    row equals the one-shot causal forward (checkpoint layout, no cache) over all 140 tokens."""
+    row equals the one-shot causal forward (checkpoint layout, no cache) over all 140 tokens.
+    Batch 1 writes its caches by dynamic_update_slice, batch 2 by scatter (MLACache.write)."""
     monkeypatch.setattr(layout, "SHORTEST_PREFIX", 64)  # read when `apply` below is traced
     model = jaxmtp.init(CONFIG, seed=3)
     decoding = model.decoding()
     assert decoding.layout.prefix_attention and prefix_lengths(256) == (64, 128, 256)
-    tokens = jnp.asarray(np.random.default_rng(4).integers(0, CONFIG.vocab_size, (2, 140)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, CONFIG.vocab_size, (batch, 140)), jnp.int32)
     full_logits, _ = model.forward(tokens)
-    caches = {g: tuple(MLACache.zeros(CONFIG, None, 2, 256) for _ in range(n)) for g, n in
+    caches = {g: tuple(MLACache.zeros(CONFIG, None, batch, 256) for _ in range(n)) for g, n in
               (("dense", CONFIG.num_dense_layers), ("moe", CONFIG.num_moe_layers))}
-    positions = jnp.broadcast_to(jnp.arange(140), (2, 140))
+    positions = jnp.broadcast_to(jnp.arange(140), (batch, 140))
     apply = jax.jit(lambda p, t, pos, c, absorbed: module(CONFIG, absorbed=absorbed, layout=decoding.layout).apply(
         {"params": p}, t, pos, c), static_argnums=4)
     starts = [0, *range(60, 63), 63, *range(66, 126), 126, *range(129, 141)]  # chunk i: starts[i]..starts[i + 1] - 1
