@@ -7,6 +7,7 @@ figures therefore bound the speedup a given acceptance can give on this machine.
 
     python benchmarks/decode_step.py [--model DIR | --config CONFIG_JSON] [--calls 200] [--rows 1,2,3,4,5]
                                      [--cache-len 128] [--start 40] [--tokens fixed|varied]
+                                     [--positions fixed|advancing]
                                      [--experts decode|split|stacked]
                                      [--prefix-attention decode|on|off]
     python benchmarks/decode_step.py --base 479f24b [--rows 1,4] [--calls 100] [--pairs 21] [model options]
@@ -19,7 +20,8 @@ next still answers (runs of the two engines minutes apart can differ 2x on a sha
 --config times a model of that architecture with random weights (seed 0): how the cost of extra rows
 depends on a model's size and shape (e.g. weights too big for the CPU's caches, dense or MoE).
 The rows of a call carry different tokens, so that they route to different experts as text does;
-with --tokens varied every call also feeds new ones (see step_loops).
+with --tokens varied every call also feeds new ones, and with --positions advancing every call writes
+and reads the cache at positions one further on, as generation does (see step_loops).
 With PYTHONPATH pointing at an earlier checkout, the same loops time that checkout's engine.
 --experts forces the routed experts' arrangement of the decode layout (one conditional per expert,
 or the stack that few tokens gather from) instead of the one it picks for this platform, and
@@ -54,15 +56,22 @@ def microseconds_per_call(loop, args, calls):
     return median_seconds(jax.jit(loop), args, repeats=5) / calls * 1e6
 
 
-def step_loops(static, rows, calls, start=40, tokens="fixed"):
+def step_loops(static, rows, calls, start=40, tokens="fixed", positions="fixed"):
     """(main loop, MTP loop): each feeds `rows` tokens at positions start.. per call, `calls` times.
     The tokens fed depend on the previous call's output so that no call can be skipped.
+
+    positions="fixed": every call at the same positions, which XLA may treat as constants (the
+    cache is written at the same slots, the attention mask is the same every call).
+    positions="advancing": call i at start + i mod 32 (within the cache), so that every call
+    writes new slots and computes its mask and rotary angles, as generation does.
 
     tokens="fixed": every call feeds the same tokens (but for that dependence), so every call routes
     to the same experts and reads the same weights, which stay in the CPU's caches if they fit.
     tokens="varied": each call feeds new random tokens, so the experts it reads change from call to
     call as they do in generation, and over a few calls the loop reads every expert's weights."""
-    positions = start + jnp.arange(rows, dtype=jnp.int32)[None]
+    first = start + jnp.arange(rows, dtype=jnp.int32)[None]
+    span = max(1, min(32, static.cache_len - start - rows + 1)) if positions == "advancing" else 1
+    at = lambda i: first + i % span  # noqa: E731
     spread = jnp.arange(rows, dtype=jnp.int32)[None] * 131  # a different token in every row
     vocab = static.config.vocab_size
     table = None if tokens == "fixed" else jax.random.randint(jax.random.key(7), (calls, 1, rows), 0, vocab, jnp.int32)
@@ -75,7 +84,7 @@ def step_loops(static, rows, calls, start=40, tokens="fixed"):
         def body(i, carry):
             caches, acc = carry
             tokens = fed(acc, i)
-            logits, _, caches = main_forward(static, params, tokens, positions, caches, absorbed=True)
+            logits, _, caches = main_forward(static, params, tokens, at(i), caches, absorbed=True)
             return caches, acc + logits[0, 0, 0]
         return jax.lax.fori_loop(0, calls, body, (caches, jnp.float32(0)))[1]
 
@@ -84,7 +93,7 @@ def step_loops(static, rows, calls, start=40, tokens="fixed"):
             cache, acc = carry
             tokens = fed(acc, i)
             hidden = jnp.ones((1, rows, static.config.hidden_size), static.dtype) * acc
-            logits, _, cache = mtp_step(static, params, hidden, tokens, positions, cache, absorbed=True)
+            logits, _, cache = mtp_step(static, params, hidden, tokens, at(i), cache, absorbed=True)
             return cache, acc + logits[0, 0, 0] * 1e-6
         return jax.lax.fori_loop(0, calls, body, (cache, jnp.float32(0)))[1]
 
@@ -99,6 +108,8 @@ def add_model_arguments(parser):
     parser.add_argument("--start", type=int, default=40, help="position of each call's first row")
     parser.add_argument("--tokens", choices=("fixed", "varied"), default="fixed",
                         help="the same tokens every call, or new random ones each call (see step_loops)")
+    parser.add_argument("--positions", choices=("fixed", "advancing"), default="fixed",
+                        help="every call at the same positions, or one further on each call (see step_loops)")
     parser.add_argument("--prefix-attention", choices=("decode", "on", "off"), default="decode",
                         help="attention over a prefix of the cache as the decode layout picks it here, or forced")
     parser.add_argument("--experts", choices=("decode", "split", "stacked"), default="decode",
@@ -136,7 +147,7 @@ def worker(args):
     static = plain_static(model, args.cache_len)
     loops = {}
     for rows in (int(r) for r in args.rows.split(",")):
-        loop = jax.jit(step_loops(static, rows, args.calls, args.start, args.tokens)[0])
+        loop = jax.jit(step_loops(static, rows, args.calls, args.start, args.tokens, args.positions)[0])
         loops[rows] = (loop, (model.params, empty_caches(static, 1)))
         jax.block_until_ready(loop(*loops[rows][1]))
 
@@ -154,7 +165,8 @@ def worker(args):
 def compare(args):
     """This tree's main forward against --base's, alternating; ratios per pair of runs."""
     forwarded = ["--model", args.model, "--rows", args.rows, "--calls", str(args.calls), "--cache-len",
-                 str(args.cache_len), "--start", str(args.start), "--tokens", args.tokens]
+                 str(args.cache_len), "--start", str(args.start), "--tokens", args.tokens,
+                 "--positions", args.positions]
     forwarded += ["--config", args.config] if args.config else []
     with checkout(args.base) as base_tree:
         engines = {"base": start_worker(__file__, base_tree, forwarded), "this": start_worker(__file__, ROOT, forwarded)}
@@ -201,7 +213,7 @@ def main():
           f"median of 5 loops of {args.calls} calls")
     main, mtp = {}, {}
     for rows in (int(r) for r in args.rows.split(",")):
-        main_loop, mtp_loop = step_loops(static, rows, args.calls, args.start, args.tokens)
+        main_loop, mtp_loop = step_loops(static, rows, args.calls, args.start, args.tokens, args.positions)
         main[rows] = microseconds_per_call(main_loop, (model.params, empty_caches(static, 1)), args.calls)
         mtp_cache = MLACache.zeros(model.config, None, 1, args.cache_len, model.dtype)
         mtp[rows] = microseconds_per_call(mtp_loop, (model.params, mtp_cache), args.calls)

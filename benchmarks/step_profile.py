@@ -8,7 +8,8 @@ kernels and are left out of the sums. Tracing adds a little to every kernel, so 
 high; the counts are exact.
 
     python benchmarks/step_profile.py [--rows 1,4] [--calls 50] [--top 12] [decode_step.py's model options:
-                                      --model/--config, --cache-len, --start, --prefix-attention, --experts]
+                                      --model/--config, --cache-len, --start, --tokens, --positions,
+                                      --prefix-attention, --experts]
 """
 
 import argparse
@@ -60,7 +61,7 @@ def main():
     print(f"{args.config or args.model} on {jax.devices()[0].device_kind}, {model.layout}, cache {args.cache_len} "
           f"slots from position {args.start}: kernels per main forward (count, traced microseconds)")
     for rows in (int(r) for r in args.rows.split(",")):
-        main_loop, _ = step_loops(static, rows, args.calls, args.start, args.tokens)
+        main_loop, _ = step_loops(static, rows, args.calls, args.start, args.tokens, args.positions)
         kinds = kernel_events(jax.jit(main_loop), (model.params, empty_caches(static, 1)))
         count, micros = (sum(v[i] for v in kinds.values()) / args.calls for i in (0, 1))
         print(f"T={rows}: {count:.0f} kernels, {micros:.0f} us")
