@@ -37,6 +37,13 @@ its parameters in whichever layout it is given (`layout` attribute), so the mode
   and 0.96-0.99x at 4 (`benchmarks/decode_step.py --base 6b165ac`). Needs inputs_first (the
   weights are joined along out); not where a mesh splits those weights over `tensor`, whose
   slices of a joined weight would not be the ones each half needs.
+- absorbed_queries: W_uk (kv_b_proj's per-head key half) folded into the query projection, whose
+  nope columns of head h become W_q[:, h, :N] @ W_uk[h]: one product gives the query in the latent
+  space that the absorbed attention scores against the cache, so that every pass, prefill
+  included, attends in the absorbed form (there is no key half left to expand with). Chosen where
+  the folded weight [Q, H * (C + R)] holds no more numbers than the two it replaces: the demo
+  (equal; one batched product and two transposing copies fewer per layer, the main forward
+  0.98x the time at 1 and 4 rows), not DeepSeek-V3 (2.5x). Needs inputs_first.
 
 `decode_layout` picks the layout for a model and `convert` derives its parameters, once per model
 (`Model.decoding`): the checkpoint layout for models too large to unroll.
@@ -76,12 +83,16 @@ class Layout:
     inputs_first: bool = False
     prefix_attention: bool = False
     joint_projections: bool = False
+    absorbed_queries: bool = False
 
     def __post_init__(self):
         if (self.split_experts or self.inputs_first) and not self.unrolled:
             raise ValueError(f"{self}: split_experts and inputs_first apply to unrolled layers only")
         if self.joint_projections and not self.inputs_first:
             raise ValueError(f"{self}: joint_projections joins [in, out] weights, so it needs inputs_first")
+        if self.absorbed_queries and not self.inputs_first:
+            raise ValueError(f"{self}: absorbed_queries folds kv_b_proj's per-head key into [in, out] weights, "
+                             "so it needs inputs_first")
 
 
 CHECKPOINT = Layout()
@@ -118,7 +129,18 @@ def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
     parallel = tensor or (mesh is not None and mesh.shape.get("expert", 1) > 1)
     split = config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel and cpu
     return Layout(unrolled=True, split_experts=split, inputs_first=True, prefix_attention=cpu,
-                  joint_projections=not tensor)
+                  joint_projections=not tensor, absorbed_queries=absorbing_is_no_larger(config))
+
+
+def absorbing_is_no_larger(config: ModelConfig) -> bool:
+    """Whether the query projection with W_uk folded in ([Q, H * (C + R)]) holds no more numbers
+    than the two it replaces ([Q, H * (N + R)] and W_uk [H, N, C]): the demo's widths (equal), not
+    DeepSeek-V3's (2.5x)."""
+    c = config
+    q_in = c.q_lora_rank or c.hidden_size
+    heads, rope = c.num_attention_heads, c.qk_rope_head_dim
+    return q_in * heads * (c.kv_lora_rank + rope) <= (q_in * heads * (c.qk_nope_head_dim + rope)
+                                                       + heads * c.qk_nope_head_dim * c.kv_lora_rank)
 
 
 def _platform(params, mesh) -> str:
@@ -149,6 +171,8 @@ def convert(params, layout: Layout, config: ModelConfig):
         params = _per_head_up_projections(params, config)
         params = jax.tree_util.tree_map_with_path(_to_inputs_first, params,
                                                   is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    if layout.absorbed_queries:
+        params = _absorbed_queries(params, config)
     if layout.joint_projections:
         params = _joint_projections(params)
     return params
@@ -177,6 +201,25 @@ def _per_head_up_projections(tree, config: ModelConfig):
         key, value = up_projections(tree["kv_b_proj"]["weight"], config)
         tree = dict(tree, kv_b_proj={"key": key, "value": value})
     return {key: _per_head_up_projections(value, config) for key, value in tree.items()}
+
+
+def _absorbed_queries(tree, config: ModelConfig):
+    """Every attention's inputs-first query projection (`q_b_proj`, or `q_proj` without a query
+    LoRA) [Q, H * (N + R)] with W_uk [H, N, C] folded into each head's nope columns ->
+    [Q, H * (C + R)], each head's latent query then its rope part; kv_b_proj keeps only `value`."""
+    if not isinstance(tree, dict):
+        return tree
+    tree = {key: _absorbed_queries(value, config) for key, value in tree.items()}
+    name = "q_b_proj" if "q_b_proj" in tree else "q_proj"
+    if "kv_b_proj" in tree:
+        c, weight = config, tree[name]["weight"]
+        per_head = weight.reshape(weight.shape[0], c.num_attention_heads, c.qk_head_dim).astype(jax.numpy.float32)
+        nope, rope = per_head[..., :c.qk_nope_head_dim], per_head[..., c.qk_nope_head_dim:]
+        key = tree["kv_b_proj"]["key"].astype(jax.numpy.float32)
+        latent = jax.numpy.einsum("qhn,hnc->qhc", nope, key, precision=jax.lax.Precision.HIGHEST)
+        joined = jax.numpy.concatenate([latent, rope], axis=-1).reshape(weight.shape[0], -1).astype(weight.dtype)
+        tree = dict(tree, **{name: {"weight": joined}, "kv_b_proj": {"value": tree["kv_b_proj"]["value"]}})
+    return tree
 
 
 def _joint_projections(tree):

@@ -4,7 +4,8 @@ Two mathematically identical forms:
 - expanded (prefill): K/V per head are rebuilt from c_kv with kv_b_proj, then ordinary attention;
 - absorbed (decode): kv_b_proj's key half is folded into the query and its value half applied after
   attending, so attention runs directly on the 512-wide latent and nothing per-head is materialised
-  per cached token.
+  per cached token. Where the layout stores the key half already folded into the query projection
+  (layout.absorbed_queries), every pass takes this form.
 """
 
 import flax.linen as nn
@@ -39,10 +40,10 @@ class MLA(nn.Module):
         lin = lambda i, o, axes, layout=self.layout: Linear(i, o, axes, self.dtype, c.initializer_range,  # noqa: E731
                                                             layout=layout)
         if c.q_lora_rank is None:
-            self.q_proj = lin(D, H * c.qk_head_dim, ("heads", "embed"))
+            self.q_proj = lin(D, H * self.query_width, ("heads", "embed"))
         else:
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, self.dtype)
-            self.q_b_proj = lin(c.q_lora_rank, H * c.qk_head_dim, ("heads", "q_lora"))
+            self.q_b_proj = lin(c.q_lora_rank, H * self.query_width, ("heads", "q_lora"))
         if self.joint:
             self.qkv_a_proj = lin(D, c.q_lora_rank + c.cache_width, ("kv_lora", "embed"))
         else:
@@ -51,11 +52,18 @@ class MLA(nn.Module):
             self.kv_a_proj_with_mqa = lin(D, c.cache_width, ("kv_lora", "embed"))
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, self.dtype)
         if self.layout.inputs_first:  # stored as what it is read as: per-head up-projections
-            self.kv_b_proj = UpProjections(c, self.dtype)
+            self.kv_b_proj = UpProjections(c, self.dtype, with_key=not self.layout.absorbed_queries)
         else:
             self.kv_b_proj = lin(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), ("heads", "kv_lora"),
                                  CHECKPOINT)
         self.o_proj = lin(H * c.v_head_dim, D, ("embed", "heads"))
+
+    @property
+    def query_width(self) -> int:
+        """Per head: N + R query values, or C + R with layout.absorbed_queries (W_uk folded into
+        the query projection, so its nope part is the query in the latent space)."""
+        c = self.config
+        return (c.kv_lora_rank if self.layout.absorbed_queries else c.qk_nope_head_dim) + c.qk_rope_head_dim
 
     @property
     def joint(self) -> bool:
@@ -66,7 +74,8 @@ class MLA(nn.Module):
         q_input, kv_a = self.down_projections(x)
         q_nope, q_pe = self.queries(q_input, positions)
         c_kv, k_pe = self.compress(kv_a, positions)
-        attend = self.attend_absorbed if self.absorbed else self.attend_expanded
+        # Absorbed queries have no per-head key part to expand with: every pass attends absorbed.
+        attend = self.attend_absorbed if self.absorbed or self.layout.absorbed_queries else self.attend_expanded
         if cache is None:
             out = attend(q_nope, q_pe, c_kv, k_pe, positions[:, None, :] <= positions[:, :, None])  # [B, T, H, V]
         else:
@@ -102,11 +111,12 @@ class MLA(nn.Module):
         return (x if c.q_lora_rank is None else self.q_a_proj(x)), self.kv_a_proj_with_mqa(x)
 
     def queries(self, q_input, positions):
-        """q_input from down_projections -> q_nope [B, T, H, N], q_pe [B, T, H, R] (rotated)."""
+        """q_input from down_projections -> q_nope [B, T, H, N] (with layout.absorbed_queries
+        already times W_uk: [B, T, H, C]), q_pe [B, T, H, R] (rotated)."""
         c = self.config
         q = self.q_proj(q_input) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_input))
-        q = q.reshape(q.shape[:2] + (c.num_attention_heads, c.qk_head_dim))
-        q_nope, q_pe = jnp.split(q, [c.qk_nope_head_dim], axis=-1)
+        q = q.reshape(q.shape[:2] + (c.num_attention_heads, self.query_width))
+        q_nope, q_pe = jnp.split(q, [self.query_width - c.qk_rope_head_dim], axis=-1)
         return q_nope, apply_rope(q_pe, positions, c)
 
     def compress(self, kv_a, positions):
@@ -116,7 +126,7 @@ class MLA(nn.Module):
         return self.kv_a_layernorm(c_kv), apply_rope(k_pe, positions, self.config)
 
     def up_projections(self):
-        """kv_b_proj viewed per head -> W_uk [H, N, C], W_uv [H, C, V]."""
+        """kv_b_proj viewed per head -> W_uk [H, N, C] (None with layout.absorbed_queries), W_uv [H, C, V]."""
         if self.layout.inputs_first:
             return self.kv_b_proj.key, self.kv_b_proj.value
         return up_projections(as_dense(self.kv_b_proj.weight, self.dtype), self.config)
@@ -134,13 +144,16 @@ class MLA(nn.Module):
         # step (at 1024 slots 30% of the demo's 1-row step; a channel-major cache or slot-major
         # scores only moved a copy elsewhere), so prefix attention (jaxmtp.layout) bounds the slots.
         w_uk, w_uv = self.up_projections()
-        # W_uk per head as one product batched over heads with the B*T rows as its M dimension:
-        # written as bthn,hnc->bthc, XLA CPU emitted its own loop for 2+ rows instead of a library
-        # product (the demo's 4-row main forward took about 1.15x the time; 1 row the same).
-        b, t, h, n = q_nope.shape
-        rows = q_nope.reshape(b * t, h, n).transpose(1, 0, 2)  # [H, B*T, N]
-        q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
-        q_latent = q_latent.transpose(1, 0, 2).reshape(b, t, h, -1)  # [B, T, H, C]
+        b, t, h, _ = q_nope.shape
+        if self.layout.absorbed_queries:  # the query projection applied W_uk already
+            q_latent = q_nope
+        else:
+            # W_uk per head as one product batched over heads with the B*T rows as its M dimension:
+            # written as bthn,hnc->bthc, XLA CPU emitted its own loop for 2+ rows instead of a
+            # library product (the demo's 4-row main forward took about 1.15x the time; 1 row the same).
+            rows = q_nope.reshape(b * t, h, -1).transpose(1, 0, 2)  # [H, B*T, N]
+            q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
+            q_latent = q_latent.transpose(1, 0, 2).reshape(b, t, h, -1)  # [B, T, H, C]
         scores = jnp.einsum("bsc,bthc->bhts", c_kv, q_latent) + jnp.einsum("bsr,bthr->bhts", k_pe, q_pe)
         probs = self.softmax(scores, mask).astype(c_kv.dtype)
         # The attended latent in the order W_uv's product reads it, batched over heads as W_uk's:
@@ -165,13 +178,16 @@ class MLA(nn.Module):
 
 class UpProjections(nn.Module):
     """kv_b_proj in the decode layout (jaxmtp.layout): the checkpoint's [H * (N + V), C] weight as
-    key [H, N, C] (W_uk) and value [H, C, V] (W_uv), each product's input first."""
+    key [H, N, C] (W_uk; none where the layout folded it into the queries) and value [H, C, V]
+    (W_uv), each product's input first."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
+    with_key: bool = True
 
     def setup(self):
         c, H = self.config, self.config.num_attention_heads
         init = lambda *axes: normal_init(c.initializer_range, ("heads", *axes))  # noqa: E731
-        self.key = self.param("key", init("head_dim", "kv_lora"), (H, c.qk_nope_head_dim, c.kv_lora_rank), self.dtype)
+        self.key = (self.param("key", init("head_dim", "kv_lora"), (H, c.qk_nope_head_dim, c.kv_lora_rank), self.dtype)
+                    if self.with_key else None)
         self.value = self.param("value", init("kv_lora", "head_dim"), (H, c.kv_lora_rank, c.v_head_dim), self.dtype)

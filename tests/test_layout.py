@@ -1,5 +1,5 @@
-"""The decode layout (unrolled layers, split experts, [in, out] weights, joint projections)
-computes the same model."""
+"""The decode layout (unrolled layers, split experts, [in, out] weights, joint projections,
+absorbed queries) computes the same model."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 
 import generation_models as gm
 import jaxmtp
-from jaxmtp.layout import CHECKPOINT, Layout, decode_layout
+from jaxmtp.layout import CHECKPOINT, Layout, absorbing_is_no_larger, decode_layout
 from jaxmtp.quant import QuantizedWeight, quantize_params
 
 TOKENS = np.random.default_rng(3).integers(0, gm.TINY.vocab_size, (2, 24))
@@ -22,9 +22,13 @@ def _relative(a, b):
                                     Layout(unrolled=True, inputs_first=True, joint_projections=True),
                                     Layout(unrolled=True, split_experts=True, inputs_first=True),
                                     Layout(unrolled=True, split_experts=True, inputs_first=True,
-                                           joint_projections=True)])
-def test_forward_and_mtp_equal_the_checkpoint_layout(layout):
-    model = gm.model("random")
+                                           joint_projections=True),
+                                    Layout(unrolled=True, inputs_first=True, absorbed_queries=True),
+                                    Layout(unrolled=True, split_experts=True, inputs_first=True,
+                                           joint_projections=True, absorbed_queries=True)])
+@pytest.mark.parametrize("q_lora_rank", [gm.TINY.q_lora_rank, None])
+def test_forward_and_mtp_equal_the_checkpoint_layout(layout, q_lora_rank):
+    model = gm.model("random", gm.TINY.replace(q_lora_rank=q_lora_rank))
     converted = model.with_layout(layout)
     logits, hidden = model.forward(TOKENS)
     got_logits, got_hidden = converted.forward(TOKENS)
@@ -59,6 +63,33 @@ def test_converted_parameters_are_the_checkpoint_tensors_rearranged():
     np.testing.assert_array_equal(layer["mlp"]["gate"]["weight"], stacked["mlp"]["gate"]["weight"][1].T)
     np.testing.assert_array_equal(dense.params["lm_head"]["weight"], model.params["lm_head"]["weight"].T)
     np.testing.assert_array_equal(dense.params["embed_tokens"]["weight"], model.params["embed_tokens"]["weight"])
+
+
+@pytest.mark.parametrize("q_lora_rank", [gm.TINY.q_lora_rank, None])
+def test_absorbed_queries_are_the_query_projection_times_w_uk(q_lora_rank):
+    """Per head h: the nope columns of the query projection times W_uk[h] (float64 numpy), then the
+    rope columns as they were; kv_b_proj keeps W_uv only."""
+    model = gm.model("random", gm.TINY.replace(q_lora_rank=q_lora_rank))
+    c, name = model.config, "q_proj" if q_lora_rank is None else "q_b_proj"
+    absorbed = model.with_layout(Layout(unrolled=True, inputs_first=True, absorbed_queries=True))
+    stacked, layer = model.params["dense_layers"]["layers"]["self_attn"], absorbed.params["dense_layers"]["layers_0"]
+    query = np.asarray(stacked[name]["weight"][0], np.float64).T.reshape(-1, c.num_attention_heads, c.qk_head_dim)
+    kv_b = np.asarray(stacked["kv_b_proj"]["weight"][0], np.float64).reshape(c.num_attention_heads, -1, c.kv_lora_rank)
+    w_uk = kv_b[:, :c.qk_nope_head_dim]  # [H, N, C]
+    latent = np.stack([query[:, h, :c.qk_nope_head_dim] @ w_uk[h] for h in range(c.num_attention_heads)], axis=1)
+    expected = np.concatenate([latent, query[:, :, c.qk_nope_head_dim:]], axis=-1).reshape(query.shape[0], -1)
+    np.testing.assert_allclose(layer["self_attn"][name]["weight"], expected, rtol=1e-5, atol=1e-7)
+    assert set(layer["self_attn"]["kv_b_proj"]) == {"value"}
+
+
+def test_queries_are_absorbed_where_that_stores_no_more_numbers():
+    """[Q, H * (C + R)] against [Q, H * (N + R)] plus W_uk [H, N, C]."""
+    demo = jaxmtp.ModelConfig.from_hf_config("configs/demo.json")  # 64*4*80 = 64*4*48 + 4*32*64
+    v3 = jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v3_671b.json")  # 2.5x: stays apart
+    assert absorbing_is_no_larger(demo) and not absorbing_is_no_larger(v3)
+    assert not absorbing_is_no_larger(demo.replace(kv_lora_rank=65))
+    params = gm.model("random").params
+    assert decode_layout(gm.TINY, params).absorbed_queries == absorbing_is_no_larger(gm.TINY)
 
 
 def test_fp8_kept_weights_are_only_unrolled_and_still_exact():
@@ -99,6 +130,8 @@ def test_layout_rules():
         Layout(inputs_first=True)
     with pytest.raises(ValueError, match="needs inputs_first"):
         Layout(unrolled=True, joint_projections=True)
+    with pytest.raises(ValueError, match="needs inputs_first"):
+        Layout(unrolled=True, absorbed_queries=True)
     model = gm.model("random")
     assert model.decoding() is model.decoding()  # converted once, kept
     assert model.decoding().decoding() is model.decoding()

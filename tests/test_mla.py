@@ -1,5 +1,7 @@
 """The expanded (prefill) and absorbed (decode) MLA forms over the same compressed cache."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,16 +66,17 @@ def test_cached_absorbed_decode_equals_uncached_forward():
     assert _relative_error(jnp.concatenate(rows, axis=1), full_logits) <= 1e-5
 
 
-@pytest.mark.parametrize("batch", [2, 1])
-def test_prefix_attention_decode_equals_uncached_forward(monkeypatch, batch):
+@pytest.mark.parametrize("batch, absorbed_queries", [(2, False), (1, True)])
+def test_prefix_attention_decode_equals_uncached_forward(monkeypatch, batch, absorbed_queries):
     """The CPU decode layout attends over the cache's shortest prefix that holds the query
     positions (64, 128 or 256 of 256 slots here, with prefixes from 64 slots). Prefill 60 tokens,
     then decode one by one, with a 3-row pass across slot 64 and one across slot 128: every logit
     row equals the one-shot causal forward (checkpoint layout, no cache) over all 140 tokens.
-    Batch 1 writes its caches by dynamic_update_slice, batch 2 by scatter (MLACache.write)."""
+    Batch 1 writes its caches by dynamic_update_slice, batch 2 by scatter (MLACache.write); batch 1
+    runs with W_uk folded into the query projection (layout.absorbed_queries), prefill included."""
     monkeypatch.setattr(layout, "SHORTEST_PREFIX", 64)  # read when `apply` below is traced
     model = jaxmtp.init(CONFIG, seed=3)
-    decoding = model.decoding()
+    decoding = model.with_layout(dataclasses.replace(model.decoding().layout, absorbed_queries=absorbed_queries))
     assert decoding.layout.prefix_attention and prefix_lengths(256) == (64, 128, 256)
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, CONFIG.vocab_size, (batch, 140)), jnp.int32)
     full_logits, _ = model.forward(tokens)
