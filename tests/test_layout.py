@@ -18,15 +18,15 @@ def _relative(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
 
 
-@pytest.mark.parametrize("layout", [Layout(unrolled=True), Layout(unrolled=True, inputs_first=True),
-                                    Layout(unrolled=True, inputs_first=True, joint_projections=True),
-                                    Layout(unrolled=True, split_experts=True, inputs_first=True),
-                                    Layout(unrolled=True, split_experts=True, inputs_first=True,
-                                           joint_projections=True),
-                                    Layout(unrolled=True, inputs_first=True, absorbed_queries=True),
-                                    Layout(unrolled=True, split_experts=True, inputs_first=True,
-                                           joint_projections=True, absorbed_queries=True)])
-@pytest.mark.parametrize("q_lora_rank", [gm.TINY.q_lora_rank, None])
+ABSORBED = Layout(unrolled=True, split_experts=True, inputs_first=True, joint_projections=True, absorbed_queries=True)
+
+
+@pytest.mark.parametrize("layout, q_lora_rank", [
+    (Layout(unrolled=True), gm.TINY.q_lora_rank), (Layout(unrolled=True, inputs_first=True), gm.TINY.q_lora_rank),
+    (Layout(unrolled=True, inputs_first=True, joint_projections=True), gm.TINY.q_lora_rank),
+    (Layout(unrolled=True, split_experts=True, inputs_first=True), gm.TINY.q_lora_rank),
+    (Layout(unrolled=True, split_experts=True, inputs_first=True, joint_projections=True), gm.TINY.q_lora_rank),
+    (ABSORBED, gm.TINY.q_lora_rank), (ABSORBED, None)])  # q_b_proj, or q_proj without a query LoRA, absorbed
 def test_forward_and_mtp_equal_the_checkpoint_layout(layout, q_lora_rank):
     model = gm.model("random", gm.TINY.replace(q_lora_rank=q_lora_rank))
     converted = model.with_layout(layout)
