@@ -157,8 +157,9 @@ def convert(params, layout: Layout, config: ModelConfig):
     where the arrangement changes; jit it to keep a mesh's shardings)."""
     if not layout.unrolled:
         return params
-    if layout.joint_projections and is_quantized(params):
-        raise ValueError(f"{layout}: FP8-kept weights cannot be joined (their kernels take [out, in] blocks)")
+    if (layout.joint_projections or layout.absorbed_queries) and is_quantized(params):
+        raise ValueError(f"{layout}: FP8-kept weights cannot be joined or folded together (their kernels take "
+                         "[out, in] blocks)")
     params = dict(params)
     for group in ("dense_layers", "moe_layers"):
         if group in params:

@@ -101,8 +101,10 @@ def test_fp8_kept_weights_are_only_unrolled_and_still_exact():
     weight = converted.params["moe_layers"]["layers_0"]["self_attn"]["o_proj"]["weight"]
     assert isinstance(weight, QuantizedWeight) and weight.value.ndim == 2
     assert _relative(converted.forward(TOKENS)[0], fp8.forward(TOKENS)[0]) < 1e-5
-    with pytest.raises(ValueError, match="cannot be joined"):
+    with pytest.raises(ValueError, match="cannot be joined or folded"):
         fp8.with_layout(Layout(unrolled=True, inputs_first=True, joint_projections=True))
+    with pytest.raises(ValueError, match="cannot be joined or folded"):
+        fp8.with_layout(Layout(unrolled=True, inputs_first=True, absorbed_queries=True))
 
 
 def test_a_mesh_that_runs_experts_in_parallel_keeps_them_stacked():
