@@ -12,8 +12,10 @@ import jaxmtp
 from jaxmtp.sharding import make_mesh, place, shard_shapes
 from jaxmtp.params import param_shardings
 
-# Every sharded dimension divisible by 8: 8 heads, 8 experts, MLPs 128 / 32, vocab 512.
-CONFIG = gm.TINY.replace(num_attention_heads=8)
+# Every sharded dimension divisible by 8: 8 heads, 8 experts, MLPs 128 / 32, vocab 512. A query
+# LoRA of 32 makes the decode layout fold W_uk into q_b_proj (layout.absorbed_queries), whose
+# columns the tensor axis then splits by head.
+CONFIG = gm.TINY.replace(num_attention_heads=8, q_lora_rank=32)
 MESHES = [(1, 1, 8), (1, 8, 1), (2, 2, 2), (8, 1, 1)]  # each axis whole, and all three at once
 PROMPTS = [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16], [100, 200], [9, 9, 9, 9], [1, 2], [300], [42, 43, 44]]
 
