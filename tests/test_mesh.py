@@ -40,6 +40,7 @@ def test_sharded_model_matches_single_device(single, sizes):
     for k in (0, 2):
         want = jaxmtp.generate(single, PROMPTS, max_new_tokens=10, speculative_k=k).tokens
         assert jaxmtp.generate(sharded, PROMPTS, max_new_tokens=10, speculative_k=k).tokens == want, k
+    assert sharded.decoding().layout.absorbed_queries  # W_uk folded in, columns split by head over tensor
 
 
 def test_prefix_attention_on_a_mesh(single):
