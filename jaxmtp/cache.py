@@ -42,8 +42,8 @@ class MLACache:
         A scatter promised in bounds, to unique indices: XLA updates the cache in place, where the
         bounds-checked form ("drop") made it copy the whole cache on every step. One row (batch 1)
         is one dynamic_update_slice at its first position: XLA CPU turned a one-token scatter into
-        a slice update guarded by a bounds check, 4 more kernels per layer (the demo's 1-row step
-        about 1.1x the time).
+        a slice update guarded by a bounds check, up to 4 more kernels per layer (the demo's 1-row
+        step 1.1x the time in a loop over fixed positions, about 1% in generation).
         """
         rows = jnp.arange(positions.shape[0])[:, None]
 
