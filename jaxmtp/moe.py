@@ -151,31 +151,35 @@ class Experts(nn.Module):
 
 
 def split_experts(x, weights, experts, gate, up, down, inputs_first):
-    """Routed experts on their own weights (split layout): each expert runs only if some token
-    chose it (one lax.switch per expert), on the one row that chose it or else on all N rows, and
-    each token keeps its own experts' outputs, weighted. In a decode step only the chosen experts
-    run; on one row its products cost about 0.6x the 4-row ones at the demo's widths
-    (benchmarks/row_products.py). With many tokens (prefill) most experts run over every token,
-    up to E / K times the routed FLOPs, which the few experts of a split layout keep small.
+    """Routed experts on their own weights (split layout), each run only where a token chose it.
+    One token (a plain decode step): one lax.switch per expert it chose, over the E experts.
+    Several: one lax.switch per expert, which runs it not at all, on the one row that chose it, or
+    on all N rows, and each token keeps its own experts' outputs, weighted; on one row an expert's
+    products cost about 0.6x the 4-row ones at the demo's widths (benchmarks/row_products.py). With
+    many tokens (prefill) most experts run over every token, up to E / K times the routed FLOPs,
+    which the few experts of a split layout keep small.
     x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights (up: E Nones where gate
     holds both, see swiglu) -> [N, D]."""
+    run = [lambda x, g=g, u=u, d=d: swiglu(x, g, u, d, inputs_first) for g, u, d in zip(gate, up, down)]
+    if x.shape[0] == 1:  # K conditionals (and index clamps) instead of E, and no per-expert bookkeeping
+        # Clipped as one vector, though lax.switch clamps its index too: switching on a scalar slice
+        # of top_k's indices made XLA CPU run that top_k as a whole sort (1.04x the step's time).
+        chosen = jnp.clip(experts[0], 0, len(run) - 1)
+        return sum(weights[0, k].astype(x.dtype) * jax.lax.switch(chosen[k], run, x) for k in range(len(chosen)))
     combine = (jax.nn.one_hot(experts, len(gate), dtype=x.dtype) * weights[..., None].astype(x.dtype)).sum(axis=1)
     chosen = combine != 0  # [N, E]
     count = chosen.sum(axis=0)  # [E] rows per expert: lax.switch clamps it to the last branch
     row = jnp.argmax(chosen, axis=0)  # [E]: the row that chose the expert, where one did
     out = jnp.zeros_like(x)
-    for e, (g, u, d) in enumerate(zip(gate, up, down)):
-        def every_row(out, e=e, g=g, u=u, d=d):
-            return out + combine[:, e:e + 1] * swiglu(x, g, u, d, inputs_first)
+    for e, expert in enumerate(run):
+        def every_row(out, e=e, expert=expert):
+            return out + combine[:, e:e + 1] * expert(x)
 
-        def one_row(out, e=e, g=g, u=u, d=d):
+        def one_row(out, e=e, expert=expert):
             # Broadcast to all rows: combine[:, e] is 0 on every row but this one (no slice written back).
-            y = swiglu(jax.lax.dynamic_slice_in_dim(x, row[e], 1), g, u, d, inputs_first)
-            return out + combine[:, e:e + 1] * y
+            return out + combine[:, e:e + 1] * expert(jax.lax.dynamic_slice_in_dim(x, row[e], 1))
 
-        # One token in all (a plain decode step): all rows are that row, so no one-row branch.
-        branches = (lambda out: out, every_row) if x.shape[0] == 1 else (lambda out: out, one_row, every_row)
-        out = jax.lax.switch(count[e], branches, out)  # no row, one row, several rows
+        out = jax.lax.switch(count[e], (lambda out: out, one_row, every_row), out)  # no row, one row, several
     return out
 
 
