@@ -136,13 +136,10 @@ class MLA(nn.Module):
         k_nope = jnp.einsum("bsc,hnc->bshn", c_kv, w_uk.astype(c_kv.dtype))
         v = jnp.einsum("bsc,hcv->bshv", c_kv, w_uv.astype(c_kv.dtype))
         scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope) + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe)
-        probs = self.softmax(scores, mask).astype(v.dtype)
+        probs = self.softmax(scores, mask[:, None], axis=-1).astype(v.dtype)
         return jnp.einsum("bhts,bshv->bthv", probs, v)
 
     def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask):
-        # XLA CPU copies the cache read here into a [C, S] layout for the score product on every
-        # step (at 1024 slots 30% of the demo's 1-row step; a channel-major cache or slot-major
-        # scores only moved a copy elsewhere), so prefix attention (jaxmtp.layout) bounds the slots.
         w_uk, w_uv = self.up_projections()
         b, t, h, _ = q_nope.shape
         if self.layout.absorbed_queries:  # the query projection applied W_uk already
@@ -154,26 +151,35 @@ class MLA(nn.Module):
             rows = q_nope.reshape(b * t, h, -1).transpose(1, 0, 2)  # [H, B*T, N]
             q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
             q_latent = q_latent.transpose(1, 0, 2).reshape(b, t, h, -1)  # [B, T, H, C]
-        scores = jnp.einsum("bsc,bthc->bhts", c_kv, q_latent) + jnp.einsum("bsr,bthr->bhts", k_pe, q_pe)
-        probs = self.softmax(scores, mask).astype(c_kv.dtype)
-        # The attended latent in the order W_uv's product reads it, batched over heads as W_uk's:
-        # [H, B*T, C] times [H, C, V]. Several query rows: probabilities times the cache, rows as
-        # M. Asked for as the latent per row and head (bthc), XLA CPU computed it transposed, the
-        # cache as M against B*T*H columns: 3x the time at 4 rows of the demo. One query row keeps
-        # that form: the rows-as-M one there made XLA write each layer's new cache entry twice,
-        # the second time into a copy of the whole cache (1.2x the step's time).
+        # Both products read the cache [S, C]; XLA CPU runs a product as [M, K] x [K, N] and copies
+        # an operand laid out otherwise. The attended latent comes out [H, B, T, C], the order
+        # W_uv's product reads it.
         if t == 1:
-            out_latent = jnp.einsum("bhts,bsc->bthc", probs, c_kv).transpose(2, 0, 1, 3)  # [H, B, 1, C]
+            # Queries as M: the scores' product copies the cache to [C, S] on every step (at 1024
+            # slots 30% of the demo's 1-row step, so prefix attention in jaxmtp.layout bounds the
+            # slots). The slot-major form below made XLA write each layer's new cache entry twice
+            # here, the second time into a copy of the whole cache, and a channel-major cache
+            # moved the copy to the other product.
+            scores = jnp.einsum("bsc,bthc->bhts", c_kv, q_latent) + jnp.einsum("bsr,bthr->bhts", k_pe, q_pe)
+            probs = self.softmax(scores, mask[:, None], axis=-1).astype(c_kv.dtype)
+            out_latent = jnp.einsum("bhts,bsc->bthc", probs, c_kv).transpose(2, 0, 1, 3)
         else:
-            out_latent = jnp.einsum("bhts,bsc->bhtc", probs, c_kv).transpose(1, 0, 2, 3)  # [H, B, T, C]
+            # Slot-major: the cache is M against the T*H query rows, then K against the latent, so
+            # neither product copies it (the demo's 4-row main forward 0.93-0.96x the time of the
+            # queries-as-M form). Written with T and H apart (bsth), XLA copied it again.
+            rows_latent, rows_pe = q_latent.reshape(b, t * h, -1), q_pe.reshape(b, t * h, -1)  # [B, T*H, .]
+            scores = jnp.einsum("bsc,bmc->bsm", c_kv, rows_latent) + jnp.einsum("bsr,bmr->bsm", k_pe, rows_pe)
+            probs = self.softmax(scores, jnp.repeat(mask.transpose(0, 2, 1), h, axis=2), axis=1).astype(c_kv.dtype)
+            out_latent = jnp.einsum("bms,bsc->bmc", probs.transpose(0, 2, 1), c_kv).reshape(b, t, h, -1).transpose(2, 0, 1, 3)
         out = jnp.einsum("hmc,hcv->hmv", out_latent.reshape(h, b * t, -1), w_uv.astype(out_latent.dtype))
         return out.reshape(h, b, t, -1).transpose(1, 2, 0, 3)  # [B, T, H, V]
 
-    def softmax(self, scores, mask):
-        """Scaled, masked softmax in float32. scores [B, H, T, S], mask [B, T, S]."""
+    def softmax(self, scores, mask, axis):
+        """Scaled, masked softmax in float32 over the key slots' `axis` of scores; mask broadcasts
+        to scores."""
         scores = scores.astype(jnp.float32) * self.config.softmax_scale
-        scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
-        return jax.nn.softmax(scores, axis=-1)
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        return jax.nn.softmax(scores, axis=axis)
 
 
 class UpProjections(nn.Module):

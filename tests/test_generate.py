@@ -260,9 +260,12 @@ def test_auto_loop_updates_its_caches_in_place():
                        speculative_k="auto")
     static, params, inputs = prepared.static, prepared.params, prepared.inputs
     state = jax.eval_shape(start, static, params, inputs)
-    caches = {",".join(map(str, x.shape)) for x in jax.tree.leaves((state.caches, state.mtp_cache))}
+    caches = {f"{x.dtype.name[0]}{x.dtype.itemsize * 8}[{','.join(map(str, x.shape))}]"  # e.g. f32[4,64,8]
+              for x in jax.tree.leaves((state.caches, state.mtp_cache))}
     program = advance.lower(static, params, state, inputs, jax.numpy.int32(1), jax.numpy.zeros_like(inputs.real))
-    copied = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", program.compile().as_text())  # the copies' shapes
+    text = program.compile().as_text()
+    assert all(cache in text for cache in caches)  # written as HLO writes types
+    copied = re.findall(r"= (\w+\[[\d,]*\])\S* copy\(", text)  # the copies' types
     assert copied and not caches & set(copied), caches & set(copied)
 
 
