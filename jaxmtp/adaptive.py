@@ -11,10 +11,10 @@ which decay by DECAY per round so that the estimate follows acceptance as the te
 Every round is an exact verification whatever its k, so switching k keeps greedy output identical
 to plain decoding and sampled output exactly distributed. Rounds at k = 0 draft nothing, measure
 nothing and leave the MTP cache as it is; once decay has brought the counts back towards the
-prior the rule may try drafting again. Each segment at k > 0 first runs the MTP layer over the
-last AUTO_SEGMENT positions (`decoding._refill`), which writes their MTP slots (a segment at k = 0
-before it left them empty) and drafts d1 from the newest one; positions further back that plain
-rounds decoded stay empty, so the drafts that attend to them may be accepted less often.
+prior the rule may try drafting again. A segment at k > 0 after one at k = 0 first runs the MTP
+layer over the last AUTO_SEGMENT positions (`decoding._refill`), which writes their MTP slots (the
+segment at k = 0 left them empty) and drafts d1 from the newest one; positions further back that
+plain rounds decoded stay empty, so the drafts that attend to them may be accepted less often.
 Where no round of this loop, k = 0 included, beats a step of the plain decoding loop at the prior
 (the costs are in those steps), generation runs the plain loop instead (`Prepared.with_costs`).
 """

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import generation_models as gm
 import jaxmtp
-from jaxmtp.decoding import AUTO_SEGMENT, TRACES, advance, start
+from jaxmtp.decoding import AUTO_SEGMENT, TRACES, _refill, advance, start
 from jaxmtp.generation import AUTO_MAX_K, prepare, unpack
 from jaxmtp.layout import prefix_lengths
 
@@ -267,6 +267,27 @@ def test_auto_loop_updates_its_caches_in_place():
     assert all(cache in text for cache in caches)  # written as HLO writes types
     copied = re.findall(r"= (\w+\[[\d,]*\])\S* copy\(", text)  # the copies' types
     assert copied and not caches & set(copied), caches & set(copied)
+
+
+def test_auto_keeps_the_draft_of_a_speculative_segment():
+    """After a segment at k > 0 its last repair has written the MTP slots and drafted d1 as the
+    refill would, so the next segment at k > 0 starts without one: the refill over the same state
+    writes the same slots and drafts the same d1 (greedy), from the same MTP hidden state."""
+    prepared = prepare(gm.model("partial"), [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], max_new_tokens=100,
+                       speculative_k="auto")
+    static, params, inputs = prepared.static, prepared.params, prepared.inputs
+    halt = jax.numpy.zeros_like(inputs.real)
+    state = start(static, params, inputs)
+    for k in (0, 2, 3):  # a plain segment, the refill before the first speculative one, then none
+        state = advance(static, params, state, inputs.replace(force_k=jax.numpy.int32(k)), jax.numpy.int32(1), halt)[0]
+    assert int(state.drafted[0]) > 0 and not bool(state.stale_draft) and not bool(state.done[0])
+    refilled = _refill(static, params, state, inputs.sampling, jax.random.key(0))
+    n = int(state.n[0])
+    assert int(refilled.draft[0]) == int(state.draft[0])
+    np.testing.assert_allclose(refilled.draft_hidden, state.draft_hidden, rtol=1e-5, atol=1e-6)
+    for name in ("c_kv", "k_pe"):
+        np.testing.assert_allclose(getattr(refilled.mtp_cache, name)[:, n - AUTO_SEGMENT:n],
+                                   getattr(state.mtp_cache, name)[:, n - AUTO_SEGMENT:n], rtol=1e-5, atol=1e-6)
 
 
 def test_auto_follows_acceptance():
