@@ -231,8 +231,8 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
         logprobs = jnp.zeros(seq.shape, jnp.float32).at[rows, lengths].set(first_logprob)
     state = DecodeState(seq=seq, logprobs=logprobs, n=lengths, count=kept, done=done, caches=caches, mtp_cache=None,
                         draft=zeros, draft_hidden=None, draft_probs=None, main_hidden=None, stale_draft=None, key=key,
-                        rounds=zeros,
-                        drafted=zeros, accepted=zeros, accepted_at=jnp.zeros((batch, static.k), jnp.int32),
+                        rounds=zeros, drafted=zeros, accepted=zeros,
+                        accepted_at=jnp.zeros((batch, static.k), jnp.int32),
                         rounds_at=jnp.zeros((batch, static.k + 1), jnp.int32),
                         counts=AcceptanceCounts.zeros(static.k), steps=jnp.ones((), jnp.int32))
     if static.k == 0:

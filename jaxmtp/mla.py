@@ -165,12 +165,15 @@ class MLA(nn.Module):
             out_latent = jnp.einsum("bhts,bsc->bthc", probs, c_kv).transpose(2, 0, 1, 3)
         else:
             # Slot-major: the cache is M against the T*H query rows, then K against the latent, so
-            # neither product copies it (the demo's 4-row main forward 0.93-0.96x the time of the
-            # queries-as-M form). Written with T and H apart (bsth), XLA copied it again.
+            # neither product copies it (the demo's 4-row main forward 0.92x the time of the
+            # queries-as-M form). The probabilities are transposed for the second product (small):
+            # as they come, XLA CPU ran it as its own loop. Written with T and H apart (bsth), XLA
+            # copied the cache again.
             rows_latent, rows_pe = q_latent.reshape(b, t * h, -1), q_pe.reshape(b, t * h, -1)  # [B, T*H, .]
             scores = jnp.einsum("bsc,bmc->bsm", c_kv, rows_latent) + jnp.einsum("bsr,bmr->bsm", k_pe, rows_pe)
             probs = self.softmax(scores, jnp.repeat(mask.transpose(0, 2, 1), h, axis=2), axis=1).astype(c_kv.dtype)
-            out_latent = jnp.einsum("bms,bsc->bmc", probs.transpose(0, 2, 1), c_kv).reshape(b, t, h, -1).transpose(2, 0, 1, 3)
+            out_latent = jnp.einsum("bms,bsc->bmc", probs.transpose(0, 2, 1), c_kv)  # [B, T*H, C]
+            out_latent = out_latent.reshape(b, t, h, -1).transpose(2, 0, 1, 3)
         out = jnp.einsum("hmc,hcv->hmv", out_latent.reshape(h, b * t, -1), w_uv.astype(out_latent.dtype))
         return out.reshape(h, b, t, -1).transpose(1, 2, 0, 3)  # [B, T, H, V]
 
