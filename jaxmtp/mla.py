@@ -8,6 +8,8 @@ Two mathematically identical forms:
   (layout.absorbed_queries), every pass takes this form.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -76,11 +78,24 @@ class MLA(nn.Module):
         c_kv, k_pe = self.compress(kv_a, positions)
         # Absorbed queries have no per-head key part to expand with: every pass attends absorbed.
         attend = self.attend_absorbed if self.absorbed or self.layout.absorbed_queries else self.attend_expanded
+        causal = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
         if cache is None:
-            out = attend(q_nope, q_pe, c_kv, k_pe, positions[:, None, :] <= positions[:, :, None])  # [B, T, H, V]
-        else:
+            out = attend(q_nope, q_pe, c_kv, k_pe, causal)  # [B, T, H, V]
+        elif attend == self.attend_expanded or x.shape[1] > 1:
             cache = cache.write(positions, c_kv, k_pe)
             out = self.attend_cache(attend, q_nope, q_pe, cache, positions)
+        else:
+            # One row (a decode step, an MTP draft): attend over the slots before it and over its
+            # own new entry apart, then write that. Written first and read after, as for 2+ rows,
+            # XLA CPU wrote the entry twice here, the second time into a copy of the whole cache;
+            # read before a write that nothing orders after the reads, it copied the cache too.
+            # XLA updates a buffer in place after the reads that data orders before the update, so
+            # the entry written takes on a zero computed from the attention's output (the demo's
+            # 1-row main forward 0.74x the time at position 200 of 512 slots, 0.99x at 40 of 128).
+            out = self.attend_cache(functools.partial(attend, own=(c_kv, k_pe, causal)), q_nope, q_pe, cache,
+                                    positions - 1)
+            after = (0 * out[:, :, 0, :1]).astype(c_kv.dtype)  # [B, 1, 1]
+            cache = cache.write(positions, c_kv + after, k_pe + after)
         return self.o_proj(out.reshape(out.shape[:2] + (-1,))), cache
 
     def attend_cache(self, attend, q_nope, q_pe, cache, positions):
@@ -139,7 +154,10 @@ class MLA(nn.Module):
         probs = self.softmax(scores, mask[:, None], axis=-1).astype(v.dtype)
         return jnp.einsum("bhts,bshv->bthv", probs, v)
 
-    def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask):
+    def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask, own=None):
+        """Attention in the latent space over c_kv [B, S, C] / k_pe [B, S, R] (mask [B, T, S]) and,
+        with `own` = (c_kv [B, T, C], k_pe [B, T, R], mask [B, T, T]), over the T new entries too,
+        read apart from the cache. -> [B, T, H, V]"""
         w_uk, w_uv = self.up_projections()
         b, t, h, _ = q_nope.shape
         if self.layout.absorbed_queries:  # the query projection applied W_uk already
@@ -151,29 +169,20 @@ class MLA(nn.Module):
             rows = q_nope.reshape(b * t, h, -1).transpose(1, 0, 2)  # [H, B*T, N]
             q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
             q_latent = q_latent.transpose(1, 0, 2).reshape(b, t, h, -1)  # [B, T, H, C]
-        # Both products read the cache [S, C]; XLA CPU runs a product as [M, K] x [K, N] and copies
-        # an operand laid out otherwise. The attended latent comes out [H, B, T, C], the order
-        # W_uv's product reads it.
-        if t == 1:
-            # Queries as M: the scores' product copies the cache to [C, S] on every step (at 1024
-            # slots 30% of the demo's 1-row step, so prefix attention in jaxmtp.layout bounds the
-            # slots). The slot-major form below made XLA write each layer's new cache entry twice
-            # here, the second time into a copy of the whole cache, and a channel-major cache
-            # moved the copy to the other product.
-            scores = jnp.einsum("bsc,bthc->bhts", c_kv, q_latent) + jnp.einsum("bsr,bthr->bhts", k_pe, q_pe)
-            probs = self.softmax(scores, mask[:, None], axis=-1).astype(c_kv.dtype)
-            out_latent = jnp.einsum("bhts,bsc->bthc", probs, c_kv).transpose(2, 0, 1, 3)
-        else:
-            # Slot-major: the cache is M against the T*H query rows, then K against the latent, so
-            # neither product copies it (the demo's 4-row main forward 0.92x the time of the
-            # queries-as-M form). The probabilities are transposed for the second product (small):
-            # as they come, XLA CPU ran it as its own loop. Written with T and H apart (bsth), XLA
-            # copied the cache again.
-            rows_latent, rows_pe = q_latent.reshape(b, t * h, -1), q_pe.reshape(b, t * h, -1)  # [B, T*H, .]
-            scores = jnp.einsum("bsc,bmc->bsm", c_kv, rows_latent) + jnp.einsum("bsr,bmr->bsm", k_pe, rows_pe)
-            probs = self.softmax(scores, jnp.repeat(mask.transpose(0, 2, 1), h, axis=2), axis=1).astype(c_kv.dtype)
-            out_latent = jnp.einsum("bms,bsc->bmc", probs.transpose(0, 2, 1), c_kv)  # [B, T*H, C]
-            out_latent = out_latent.reshape(b, t, h, -1).transpose(2, 0, 1, 3)
+        # Slot-major: the keys (cache slots) are M against the T*H query rows, then K against the
+        # latent, so XLA CPU, which runs a product as [M, K] x [K, N] and copies an operand laid out
+        # otherwise, copies neither the cache nor its transpose. The probabilities are transposed
+        # for the second product (small): as they come, XLA ran it as its own loop. Written with T
+        # and H apart (bsth), XLA copied the cache again.
+        rows_latent, rows_pe = q_latent.reshape(b, t * h, -1), q_pe.reshape(b, t * h, -1)  # [B, T*H, .]
+        keys = [(c_kv, k_pe, mask)] + ([] if own is None else [own])
+        scores = jnp.concatenate([jnp.einsum("bsc,bmc->bsm", c, rows_latent) + jnp.einsum("bsr,bmr->bsm", r, rows_pe)
+                                  for c, r, _ in keys], axis=1)  # [B, S (+ T), T*H]
+        masks = jnp.concatenate([jnp.repeat(m.transpose(0, 2, 1), h, axis=2) for _, _, m in keys], axis=1)
+        probs = self.softmax(scores, masks, axis=1).astype(c_kv.dtype).transpose(0, 2, 1)  # [B, T*H, S (+ T)]
+        parts = jnp.split(probs, [c_kv.shape[1]], axis=2)[:len(keys)]
+        out_latent = sum(jnp.einsum("bms,bsc->bmc", p, c) for p, (c, _, _) in zip(parts, keys))  # [B, T*H, C]
+        out_latent = out_latent.reshape(b, t, h, -1).transpose(2, 0, 1, 3)  # [H, B, T, C]: W_uv's input order
         out = jnp.einsum("hmc,hcv->hmv", out_latent.reshape(h, b * t, -1), w_uv.astype(out_latent.dtype))
         return out.reshape(h, b, t, -1).transpose(1, 2, 0, 3)  # [B, T, H, V]
 
