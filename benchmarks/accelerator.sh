@@ -20,7 +20,9 @@
 #   9. benchmarks/row_products.py: one product pair at 1..5 rows at the demo's widths (what a
 #      multi-row kernel costs against a 1-row one, apart from how many the step runs),
 #  10. benchmarks/auto_switch.py: the acceptance of auto's speculative rounds after its plain
-#      rounds and after speculative ones (what the MTP cache's missing positions cost).
+#      rounds and after speculative ones (what the MTP cache's missing positions cost),
+#  11. benchmarks/auto_k0.py: a round of the auto loop at k = 0 against a plain step (auto runs
+#      its own loop whatever the acceptance; XLA:GPU reads its loop conditions on the host).
 # Each step has its own time limit and log (OUT_DIR/<step>.log); a failing step does not stop the
 # others. PROMPTS_FILE holds bench prompts as token ids ("1,2;3,4"), so that the figures compare
 # with a run elsewhere (the held-out prompts otherwise come from this machine's Python sources).
@@ -30,7 +32,7 @@
 # STEPS (names, space-separated) runs only those steps. The step limits add up to more than one
 # 10-minute device call; the decode-engine figures are
 #   STEPS="bench generate decode_step decode_step_experts decode_step_wide hlo" (at most 570 s),
-# and row_products (30 s) and auto_switch (60 s) when time is left.
+# and auto_k0 (60 s), row_products (30 s) and auto_switch (60 s) when time is left.
 #
 #   [STEPS="bench decode_step"] bash benchmarks/accelerator.sh OUT_DIR [PROMPTS_FILE]
 set -u
@@ -70,3 +72,4 @@ step hlo 90 bash -c 'JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="--xla_dump_
   find "$1" -mindepth 1 ! -name "*after_optimizations.txt" -delete' "$py" "$out/hlo"
 step row_products 30 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/row_products.py --repeats 5
 step auto_switch 60 $py benchmarks/auto_switch.py
+step auto_k0 60 $py benchmarks/auto_k0.py --pairs 9

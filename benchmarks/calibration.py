@@ -2,8 +2,8 @@
 
 Loads the demo model, compiles the auto loop and the plain loop for one prompt's buckets (not
 timed), then calibrates --repeats times, each with an empty JAXMTP_CACHE_DIR (as on a new
-machine); prints each calibration's seconds and round costs (k = 0..4, in plain steps), whether
-they make auto start with plain decoding or speculation, and the medians. With --tree, the jaxmtp
+machine); prints each calibration's seconds and round costs (k = 0..4, in plain steps) and the
+medians. With --tree, the jaxmtp
 of another checkout is measured (for before/after: run it once on each tree, alternately).
 
     python benchmarks/calibration.py [--repeats 5] [--tree DIR]
@@ -49,8 +49,7 @@ def main() -> None:
             done = generation.calibrated(prepared)
             seconds.append(time.perf_counter() - start)
         costs.append(done.costs)
-        print(f"{seconds[-1]:6.2f} s  costs {[round(c, 2) for c in done.costs]}  "
-              f"{'plain decoding' if done.static.k == 0 else 'speculation'} at the prior's acceptance", flush=True)
+        print(f"{seconds[-1]:6.2f} s  costs {[round(c, 2) for c in done.costs]}", flush=True)
     median = [statistics.median(c[k] for c in costs) for k in range(len(costs[0]))]
     print(f"{jaxmtp.__file__}: calibration median {statistics.median(seconds):.2f} s; "
           f"median costs {[round(c, 2) for c in median]}; "

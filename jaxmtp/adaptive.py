@@ -6,17 +6,23 @@ conditional acceptance of draft i (accepted, given that drafts 1..i-1 were), tha
 E_k = 1 + sum_{i<=k} prod_{j<=i} c_j, and the rule picks the k in 0..k_max that maximises
 E_k / cost[k]. Each c_i is the mean of a Beta posterior over the rounds in which draft i was
 tried: a prior worth PRIOR_ROUNDS rounds at PRIOR_ACCEPTANCE, plus the counts of the running call,
-which decay by DECAY per round so that the estimate follows acceptance as the text changes.
+which decay by DECAY per round at k > 0 so that the estimate follows acceptance as the text
+changes, and by IDLE_DECAY per round at k = 0, which measures nothing: an MTP layer that is
+rarely right is tried again after some hundred rounds, not every few dozen (with DECAY there too,
+a demo-sized model whose drafts were never accepted ran a segment at k = 1 every 35 rounds or so,
+0.90x of plain decoding over 256 tokens; with IDLE_DECAY 0.94x: `python benchmarks/useless_mtp.py`).
 
 Every round is an exact verification whatever its k, so switching k keeps greedy output identical
 to plain decoding and sampled output exactly distributed. Rounds at k = 0 draft nothing, measure
 nothing and leave the MTP cache as it is; once decay has brought the counts back towards the
-prior the rule may try drafting again. A segment at k > 0 after one at k = 0 first runs the MTP
+prior the rule tries drafting again. A segment at k > 0 after one at k = 0 first runs the MTP
 layer over the last AUTO_SEGMENT positions (`decoding._refill`), which writes their MTP slots (the
 segment at k = 0 left them empty) and drafts d1 from the newest one; positions further back that
 plain rounds decoded stay empty, so the drafts that attend to them may be accepted less often.
-Where no round of this loop, k = 0 included, beats a step of the plain decoding loop at the prior
-(the costs are in those steps), generation runs the plain loop instead (`Prepared.with_costs`).
+Where no k > 0 pays, the loop runs at k = 0, whose rounds cost no more than a step of the plain
+decoding loop (jaxmtp.calibration), so auto runs its own loop whatever the acceptance. What such
+a model still pays is the exploring: a call starts from the prior, and its first segment of
+AUTO_SEGMENT rounds runs at k = 1 wherever the prior says that pays.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import jax.numpy as jnp
 PRIOR_ACCEPTANCE = 0.7
 PRIOR_ROUNDS = 16.0
 DECAY = 0.99
+IDLE_DECAY = 0.998
 
 
 @flax.struct.dataclass
@@ -47,7 +54,8 @@ class AcceptanceCounts:
         position = jnp.arange(1, self.tried.shape[0] + 1)
         tried = (position[None] <= jnp.minimum(accepted + 1, k)[:, None]) & active[:, None]
         hit = (position[None] <= accepted[:, None]) & active[:, None]
-        return AcceptanceCounts(DECAY * self.tried + tried.sum(0), DECAY * self.accepted + hit.sum(0))
+        decay = DECAY if k else IDLE_DECAY
+        return AcceptanceCounts(decay * self.tried + tried.sum(0), decay * self.accepted + hit.sum(0))
 
     def conditional(self) -> jax.Array:
         """Posterior mean acceptance of each draft given the ones before it [k_max]."""

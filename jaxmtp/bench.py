@@ -22,7 +22,7 @@ def _prepared(model: Model, prompts, k, max_new_tokens, eos_token_id) -> list[Pr
     runs = []
     for p in prompts:
         prepared = calibrated(prepare(model, [p], max_new_tokens=max_new_tokens, speculative_k=k,
-                                      eos_token_id=eos_token_id))  # auto may turn into the plain loop
+                                      eos_token_id=eos_token_id))
         jax.block_until_ready(prepared.run(prepared.limited(1)))
         runs.append(prepared)
     return runs
@@ -41,8 +41,8 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     only; medians), speedups over k = 0 (the median of each repeat's ratio), acceptance figures,
     the round cost in plain steps (from the calibration that auto uses), the ideal speedup that
     the measured acceptance and costs allow (mean accepted length / round cost; for auto, the best
-    of the fixed k), and achieved / ideal; auto's row also says which loop its calibrated costs
-    chose ("loop": "plain" or "auto").
+    of the fixed k), and achieved / ideal; auto's row also holds the calibrated costs it chose from
+    ("round_costs", k = 0..AUTO_MAX_K in plain steps).
 
     Every configuration is compiled and run once first; then the timed repeats go round all of
     them in turn (auto next to plain decoding, which it is held against, first one then the other
@@ -70,7 +70,7 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     for r in rows:
         if r["k"] == "auto":
             r["ideal_speedup"] = max(fixed)
-            r["loop"] = "auto" if outputs["auto"][0].stats["auto_loop"] else "plain"
+            r["round_costs"] = costs  # its own round at k = 0 included
         r["achieved_over_ideal"] = r["decode_speedup"] / r["ideal_speedup"]
     return rows
 
@@ -126,8 +126,10 @@ def table(rows: list[dict]) -> str:
         cost = f"{r['round_cost']:.2f}" if r["round_cost"] else "-"
         ideal = f"{r['ideal_speedup']:.2f}x" if r["ideal_speedup"] else "-"
         per_position = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
-        detail = (f"{r['loop']} loop " + " ".join(f"{j}:{n}" for j, n in r["rounds_by_k"].items()) + " / "
-                  + per_position if r["k"] == "auto" else per_position)
+        detail = per_position
+        if r["k"] == "auto":
+            costs = " ".join(f"{c:.2f}" for c in r["round_costs"])
+            detail = f"costs {costs}; " + " ".join(f"k={j}:{n}" for j, n in r["rounds_by_k"].items()) + " / " + detail
         lines.append(f"{r['k']!s:>4} {r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {r['decode_tokens_per_s']:>9.1f} "
                      f"{r['decode_speedup']:>7.2f}x {cost:>5} {r['acceptance_rate']:>7.3f} "
                      f"{r['mean_accepted_length']:>8.2f} {ideal:>6} {r['achieved_over_ideal']:>9.2f}  {detail}")

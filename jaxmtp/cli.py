@@ -380,9 +380,7 @@ def _report(out, config, run_s, first_s, compile_s):
         print(f"k={config.speculative_k}: acceptance rate {s.acceptance_rate:.3f}, mean accepted length "
               f"{s.mean_accepted_length:.2f}, per position [{per_position}]; rounds {by_k}")
         if s.round_costs is not None:
-            loop = "its own loop" if s.auto_loop else "the plain loop (no round of its own pays at the prior)"
-            print("round cost in plain steps at k = 0..: " + " ".join(f"{c:.2f}" for c in s.round_costs)
-                  + f"; auto ran {loop}")
+            print("round cost in plain steps at k = 0..: " + " ".join(f"{c:.2f}" for c in s.round_costs))
     print(f"main forward passes {s.main_forward_passes} (incl. prefill), drafts {s.draft_tokens}, "
           f"accepted {s.accepted_tokens}")
 

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp import calibration, checks, compile_cache, streaming
-from jaxmtp.adaptive import AcceptanceCounts, expected_tokens
 from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, DecodeState, Inputs, Static, advance, start
 from jaxmtp.generation_config import GenerationConfig
 from jaxmtp.model import Model
@@ -114,13 +113,7 @@ class Prepared:
     costs: list[float] | None = None  # auto: the calibrated round costs
 
     def with_costs(self, costs: list[float]) -> "Prepared":
-        """Auto with these round costs (in steps of the plain loop); or the plain loop itself when
-        no round of the auto loop, k = 0 included, yields more tokens per plain step at the prior's
-        acceptance: rounds at k = 0 measure nothing, so the counts would stay at the prior and the
-        rule would never try drafting again."""
-        prior = expected_tokens(AcceptanceCounts.zeros(self.static.k).conditional())
-        if float(jnp.max(prior / jnp.asarray(costs, jnp.float32))) <= 1.0:
-            return dataclasses.replace(self.plain(), costs=costs)
+        """Auto with these round costs (in steps of the plain loop)."""
         return dataclasses.replace(self, inputs=self.inputs.replace(costs=jnp.asarray(costs, jnp.float32)),
                                    costs=costs)
 
@@ -265,8 +258,7 @@ def unpack(prepared: Prepared, state: DecodeState, receiver: streaming.Receiver 
     if logprobs is not None:
         logprobs = [logprobs[i, span].tolist() for i, span in enumerate(spans)]
     stats = GenerationStats.of(out["rounds"][:n], out["drafted"][:n], out["accepted"][:n], out["accepted_at"][:n],
-                               out["rounds_at"][:n], out["steps"], prepared.costs,
-                               None if prepared.costs is None else prepared.static.auto)
+                               out["rounds_at"][:n], out["steps"], prepared.costs)
     return GenerationOutput(tokens, stats, logprobs)
 
 

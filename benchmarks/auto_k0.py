@@ -1,0 +1,66 @@
+"""What a round of the auto loop at k = 0 costs against a step of the plain decoding loop.
+
+speculative_k="auto" runs its own loop whatever the acceptance: where no k pays, its rounds run at
+k = 0, which compile to the plain step's kernels plus the loop's bookkeeping (the segment loops,
+the window of main hidden states, the acceptance counts). For the demo model and the README's
+prompt, greedy, each --batch and --new-tokens: the plain loop and the auto loop with every round
+forced to k = 0, each timed after an untimed prefill, alternating --pairs times; printed: the
+median of the pairs' time ratios (auto / plain) with its quartiles. Calibration measures the same
+ratio (its cost at k = 0) but raises it to 1 where noise reads it lower.
+
+    python benchmarks/auto_k0.py [--batch 1,4] [--new-tokens 64,400] [--pairs 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def rounds_seconds(prepared, inputs) -> float:
+    """Seconds of every round after the prefill (not timed)."""
+    import jax
+
+    from jaxmtp.decoding import advance, start
+
+    state = jax.block_until_ready(start(prepared.static, prepared.params, inputs))
+    began = time.perf_counter()
+    jax.block_until_ready(advance(prepared.static, prepared.params, state, inputs, jax.numpy.int32(2**31 - 1),
+                                  jax.numpy.zeros_like(inputs.real)))
+    return time.perf_counter() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", default="1,4")
+    parser.add_argument("--new-tokens", default="64,400")
+    parser.add_argument("--pairs", type=int, default=15)
+    args = parser.parse_args()
+    from tokenizers import Tokenizer
+
+    import jaxmtp
+    from jaxmtp.generation import prepare
+
+    model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
+    prompt = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json")).encode("def fibonacci(n):").ids
+    for batch in map(int, args.batch.split(",")):
+        for new in map(int, args.new_tokens.split(",")):
+            auto = prepare(model, [prompt] * batch, max_new_tokens=new, speculative_k="auto", eos_token_id=None)
+            plain = auto.plain()
+            runs = ((auto, auto.forced(0, new)), (plain, plain.forced(0, new)))
+            for run in runs:  # compiles
+                rounds_seconds(*run)
+            ratios = []
+            for pair in range(args.pairs):
+                first, second = runs[::-1] if pair % 2 else runs
+                times = {id(first): rounds_seconds(*first), id(second): rounds_seconds(*second)}
+                ratios.append(times[id(runs[0])] / times[id(runs[1])])
+            q1, median, q3 = statistics.quantiles(ratios, n=4)
+            print(f"batch {batch}, {new} new tokens: a round of the auto loop at k = 0 costs {median:.3f} "
+                  f"[{q1:.3f}-{q3:.3f}] plain steps ({args.pairs} alternating pairs)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
