@@ -3,12 +3,13 @@
 speculative_k="auto" runs its own loop whatever the acceptance: where no k pays, its rounds run at
 k = 0, which compile to the plain step's kernels plus the loop's bookkeeping (the segment loops,
 the window of main hidden states, the acceptance counts). For the demo model and the README's
-prompt, greedy, each --batch and --new-tokens: the plain loop and the auto loop with every round
+prompt (or, with --prompt-len, the first held-out prompt of that many tokens, as `jaxmtp bench`
+takes them), greedy, each --batch and --new-tokens: the plain loop and the auto loop with every round
 forced to k = 0, each timed after an untimed prefill, alternating --pairs times; printed: the
 median of the pairs' time ratios (auto / plain) with its quartiles. Calibration measures the same
 ratio (its cost at k = 0) but raises it to 1 where noise reads it lower.
 
-    python benchmarks/auto_k0.py [--batch 1,4] [--new-tokens 64,400] [--pairs 15]
+    python benchmarks/auto_k0.py [--batch 1,4] [--new-tokens 64,400] [--pairs 15] [--prompt-len 32]
 """
 
 from __future__ import annotations
@@ -37,14 +38,19 @@ def main() -> None:
     parser.add_argument("--batch", default="1,4")
     parser.add_argument("--new-tokens", default="64,400")
     parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--prompt-len", type=int, default=0, help="0: the README's prompt")
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
     import jaxmtp
+    from jaxmtp import data
     from jaxmtp.generation import prepare
 
     model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
-    prompt = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json")).encode("def fibonacci(n):").ids
+    tokenizer = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json"))
+    prompt = tokenizer.encode("def fibonacci(n):").ids
+    if args.prompt_len:
+        prompt = data.prompts_from(data.encode(tokenizer, data.read(data.source_files()[1])), 1, args.prompt_len)[0]
     for batch in map(int, args.batch.split(",")):
         for new in map(int, args.new_tokens.split(",")):
             auto = prepare(model, [prompt] * batch, max_new_tokens=new, speculative_k="auto", eos_token_id=None)
@@ -58,7 +64,7 @@ def main() -> None:
                 times = {id(first): rounds_seconds(*first), id(second): rounds_seconds(*second)}
                 ratios.append(times[id(runs[0])] / times[id(runs[1])])
             q1, median, q3 = statistics.quantiles(ratios, n=4)
-            print(f"batch {batch}, {new} new tokens: a round of the auto loop at k = 0 costs {median:.3f} "
+            print(f"batch {batch}, {len(prompt)}-token prompt, {new} new tokens: a round of the auto loop at k = 0 costs {median:.3f} "
                   f"[{q1:.3f}-{q3:.3f}] plain steps ({args.pairs} alternating pairs)", flush=True)
 
 

@@ -19,8 +19,9 @@ prior the rule tries drafting again. A segment at k > 0 after one at k = 0 first
 layer over the last AUTO_SEGMENT positions (`decoding._refill`), which writes their MTP slots (the
 segment at k = 0 left them empty) and drafts d1 from the newest one; positions further back that
 plain rounds decoded stay empty, so the drafts that attend to them may be accepted less often.
-Where no k > 0 pays, the loop runs at k = 0, whose rounds cost no more than a step of the plain
-decoding loop (jaxmtp.calibration), so auto runs its own loop whatever the acceptance. What such
+Where no k > 0 pays, the loop runs at k = 0, whose rounds cost about a step of the plain decoding
+loop (0.92-1.07 of one for the demo, jaxmtp.calibration), so auto runs its own loop whatever the
+acceptance. What such
 a model still pays is the exploring: a call starts from the prior, and its first segment of
 AUTO_SEGMENT rounds runs at k = 1 wherever the prior says that pays.
 """
