@@ -20,7 +20,7 @@ layer over the last AUTO_SEGMENT positions (`decoding._refill`), which writes th
 segment at k = 0 left them empty) and drafts d1 from the newest one; positions further back that
 plain rounds decoded stay empty, so the drafts that attend to them may be accepted less often.
 Where no k > 0 pays, the loop runs at k = 0, whose rounds cost about a step of the plain decoding
-loop (0.92-1.07 of one for the demo, jaxmtp.calibration), so auto runs its own loop whatever the
+loop (0.92-1.08 of one for the demo, jaxmtp.calibration), so auto runs its own loop whatever the
 acceptance. What such
 a model still pays is the exploring: a call starts from the prior, and its first segment of
 AUTO_SEGMENT rounds runs at k = 1 wherever the prior says that pays.

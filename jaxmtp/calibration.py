@@ -11,7 +11,7 @@ $JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
 
 The unit is the plain loop's step, so that the costs read as what speculation buys over plain
 decoding; the rule in jaxmtp.adaptive compares them with each other only. The auto loop's own
-round at k = 0 costs about that step: 0.92-1.07 of it for the demo model on a 2-core CPU
+round at k = 0 costs about that step: 0.92-1.08 of it for the demo model on a 2-core CPU
 (`python benchmarks/auto_k0.py`).
 """
 
@@ -97,7 +97,7 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
 
     A round at k > 0 does all the work of one at k - 1 and more (a main forward over one more row,
     one more MTP pass), so a median below the cost at k - 1 is the machine's noise and is raised to
-    that bound. The round at k = 0 has no bound against the plain step: it measures 0.92-1.07 of one
+    that bound. The round at k = 0 has no bound against the plain step: it measures 0.92-1.08 of one
     for the demo (benchmarks/auto_k0.py), below 1 at 400 new tokens in every run."""
     plain_seconds(), round_seconds(0)  # first calls: warm-up
     ratios = {k: [] for k in range(k_max + 1)}
