@@ -7,7 +7,7 @@ prompt (or, with --prompt-len, the first held-out prompt of that many tokens, as
 takes them), greedy, each --batch and --new-tokens: the plain loop and the auto loop with every round
 forced to k = 0, each timed after an untimed prefill, alternating --pairs times; printed: the
 median of the pairs' time ratios (auto / plain) with its quartiles. Calibration measures the same
-ratio (its cost at k = 0) but raises it to 1 where noise reads it lower.
+ratio (its cost at k = 0) over 48 rounds per repeat.
 
     python benchmarks/auto_k0.py [--batch 1,4] [--new-tokens 64,400] [--pairs 15] [--prompt-len 32]
 """
@@ -60,12 +60,11 @@ def main() -> None:
                 rounds_seconds(*run)
             ratios = []
             for pair in range(args.pairs):
-                first, second = runs[::-1] if pair % 2 else runs
-                times = {id(first): rounds_seconds(*first), id(second): rounds_seconds(*second)}
-                ratios.append(times[id(runs[0])] / times[id(runs[1])])
+                seconds = {i: rounds_seconds(*runs[i]) for i in ((1, 0) if pair % 2 else (0, 1))}  # in turn
+                ratios.append(seconds[0] / seconds[1])
             q1, median, q3 = statistics.quantiles(ratios, n=4)
-            print(f"batch {batch}, {len(prompt)}-token prompt, {new} new tokens: a round of the auto loop at k = 0 costs {median:.3f} "
-                  f"[{q1:.3f}-{q3:.3f}] plain steps ({args.pairs} alternating pairs)", flush=True)
+            print(f"batch {batch}, {len(prompt)}-token prompt, {new} new tokens: a round of the auto loop at k = 0 "
+                  f"costs {median:.3f} [{q1:.3f}-{q3:.3f}] plain steps ({args.pairs} alternating pairs)", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """speculative_k="auto" where speculation cannot pay: the demo model with its MTP layer broken.
 
 The MTP layer's input projection (`eh_proj`) gets its columns permuted, so that its drafts are
-almost never accepted (about 2% at the first position) while the main model is the demo's. Then
+almost never accepted (0.2-2% at the first position) while the main model is the demo's. Then
 `jaxmtp bench` on it, with its calibration in a new directory: plain decoding, k = 1..4 and
 auto, on held-out prompts (greedy, batch 1). Auto should cost at most a few percent against plain
 decoding: it runs its own loop at k = 0 once the counts say no k pays, and what it pays is the
