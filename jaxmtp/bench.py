@@ -28,10 +28,9 @@ def _prepared(model: Model, prompts, k, max_new_tokens, eos_token_id) -> list[Pr
     return runs
 
 
-def _seconds(runs: list[Prepared], prefill_only: bool = False) -> float:
+def _seconds(prepared: Prepared, prefill_only: bool = False) -> float:
     start = time.perf_counter()
-    for prepared in runs:
-        jax.block_until_ready(prepared.run(prepared.limited(1) if prefill_only else None))
+    jax.block_until_ready(prepared.run(prepared.limited(1) if prefill_only else None))
     return time.perf_counter() - start
 
 
@@ -41,43 +40,52 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     only; medians), speedups over k = 0 (the median of each repeat's ratio), acceptance figures,
     the round cost in plain steps (from the calibration that auto uses), the ideal speedup that
     the measured acceptance and costs allow (mean accepted length / round cost; for auto, the best
-    of the fixed k), and achieved / ideal; auto's row also holds the calibrated costs it chose from
-    ("round_costs", k = 0..AUTO_MAX_K in plain steps).
+    of the fixed k), and achieved / ideal. Auto's row also holds the calibrated costs it chose from
+    ("round_costs", k = 0..AUTO_MAX_K in plain steps) and its time against the fastest of plain and
+    the fixed k ("best", "decode_best": that k, by speedup and by decode speedup; "vs_best",
+    "decode_vs_best": the median over repeats of that k's seconds / auto's).
 
-    Every configuration is compiled and run once first; then the timed repeats go round all of
-    them in turn (auto next to plain decoding, which it is held against, first one then the other
-    first), so that slow drifts of a shared machine hit each alike; a speedup pairs the times of
-    one repeat, which ran within seconds of each other. Raises AssertionError if
-    any speculative output differs from plain greedy decoding.
+    Every configuration is compiled and run once first. In each timed repeat every prompt runs in
+    every configuration in turn, the order rotated from one prompt to the next, so that each
+    configuration's runs of a prompt lie within a fraction of a second of each other and a shared
+    machine's slower spells, which last a tenth of a second to seconds, weigh on all of them alike;
+    a repeat's time for a configuration is the sum over the prompts, and a speedup pairs the times
+    of one repeat. Raises AssertionError if any speculative output differs from plain greedy
+    decoding.
     """
     configs = [0, *ks] + (["auto"] if auto and model.config.has_mtp else [])
-    totals, prefill_seconds = {k: [] for k in configs}, {k: [] for k in configs}
+    totals = {k: [0.0] * repeats for k in configs}
+    prefill_seconds = {k: [0.0] * repeats for k in configs}
     with model.mesh_context():
         runs = {k: _prepared(model, prompts, k, max_new_tokens, eos_token_id) for k in configs}
         outputs = {k: [unpack(p, p.run()) for p in runs[k]] for k in configs}
         for repeat in range(repeats):
-            pair = [k for k in (0, "auto") if k in configs][::-1 if repeat % 2 else 1]
-            for k in pair + [k for k in configs if k not in pair]:
-                totals[k].append(_seconds(runs[k]))
-                prefill_seconds[k].append(_seconds(runs[k], prefill_only=True))
+            for i in range(len(prompts)):
+                turn = (repeat + i) % len(configs)
+                for k in configs[turn:] + configs[:turn]:
+                    totals[k][repeat] += _seconds(runs[k][i])
+                    prefill_seconds[k][repeat] += _seconds(runs[k][i], prefill_only=True)
     costs = _round_costs(runs)
     rows = [_row(k, outputs[k], outputs[0], totals[k], prefill_seconds[k], len(prompts), costs) for k in configs]
     decode_seconds = {k: [t - p for t, p in zip(totals[k], prefill_seconds[k])] for k in configs}
     for r, k in zip(rows, configs):  # the same tokens (asserted): time ratios are rate ratios
         r["speedup"] = _paired_speedup(totals[0], totals[k])
         r["decode_speedup"] = _paired_speedup(decode_seconds[0], decode_seconds[k])
-    fixed = [r["ideal_speedup"] for r in rows if r["k"] != "auto"]
+    fixed = [r for r in rows if r["k"] != "auto"]
     for r in rows:
         if r["k"] == "auto":
-            r["ideal_speedup"] = max(fixed)
-            r["round_costs"] = costs  # its own round at k = 0 included
+            best = max(fixed, key=lambda f: f["speedup"])["k"]
+            decode_best = max(fixed, key=lambda f: f["decode_speedup"])["k"]
+            r.update(ideal_speedup=max(f["ideal_speedup"] for f in fixed), round_costs=costs, best=best,
+                     vs_best=_paired_speedup(totals[best], totals["auto"]), decode_best=decode_best,
+                     decode_vs_best=_paired_speedup(decode_seconds[decode_best], decode_seconds["auto"]))
         r["achieved_over_ideal"] = r["decode_speedup"] / r["ideal_speedup"]
     return rows
 
 
-def _paired_speedup(plain: list[float], other: list[float]) -> float:
-    """The median over repeats of plain decoding's seconds / the other configuration's."""
-    return statistics.median(p / max(o, 1e-9) for p, o in zip(plain, other))
+def _paired_speedup(base: list[float], other: list[float]) -> float:
+    """The median over repeats of the base configuration's seconds / the other's."""
+    return statistics.median(p / max(o, 1e-9) for p, o in zip(base, other))
 
 
 def _round_costs(runs) -> list[float] | None:
@@ -133,6 +141,10 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['k']!s:>4} {r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {r['decode_tokens_per_s']:>9.1f} "
                      f"{r['decode_speedup']:>7.2f}x {cost:>5} {r['acceptance_rate']:>7.3f} "
                      f"{r['mean_accepted_length']:>8.2f} {ideal:>6} {r['achieved_over_ideal']:>9.2f}  {detail}")
+    for r in rows:
+        if r["k"] == "auto":
+            lines.append(f"auto against the fastest of the others (median of the repeats' paired ratios): "
+                         f"{r['vs_best']:.2f}x k={r['best']}, decode only {r['decode_vs_best']:.2f}x k={r['decode_best']}")
     return "\n".join(lines)
 
 

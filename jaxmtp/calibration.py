@@ -30,7 +30,7 @@ import jax
 FILE = "round_costs.json"
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 48  # timed rounds per k
-REPEATS = 5
+REPEATS = 7
 
 
 def cache_dir() -> str:
@@ -90,10 +90,14 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
 
     plain_seconds() runs about ROUNDS steps of the plain decoding loop and round_seconds(k) about
     ROUNDS rounds of the auto loop with k forced, each after a prefill it does not time, and return
-    the seconds per step or round. Each of REPEATS repeats measures the plain loop and then every
-    k, a fraction of a second in all; the cost at k is the median over the repeats of its time over
-    the plain loop's in the same repeat (paired: a shared machine's slower spells, which last
-    seconds, weigh on both alike).
+    the seconds per step or round. Each of REPEATS repeats runs the plain loop before and after
+    every k (P 0 P 1 P ... k_max P), half a second or so in all for the demo; the cost at k is the
+    median over the repeats of its time over the mean of the two plain runs beside it. A shared
+    machine's slower spells last from a tenth of a second to seconds: a run at k and the plain runs
+    beside it mostly share one. (With a competing process on this 2-core machine, 7 repeats of
+    such pairs put k = 1 of the demo at 1.59-1.74 plain steps over 54 windows; a plain run only
+    before all the k, as the costs were measured before, 1.58-1.76 with 7 repeats and 1.51-1.89
+    with 5.)
 
     A round at k > 0 does all the work of one at k - 1 and more (a main forward over one more row,
     one more MTP pass), so a median below the cost at k - 1 is the machine's noise and is raised to
@@ -102,9 +106,12 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
     plain_seconds(), round_seconds(0)  # first calls: warm-up
     ratios = {k: [] for k in range(k_max + 1)}
     for _ in range(REPEATS):
-        unit = plain_seconds()
+        before = plain_seconds()
         for k in range(k_max + 1):
-            ratios[k].append(round_seconds(k) / unit)
+            seconds = round_seconds(k)
+            after = plain_seconds()
+            ratios[k].append(2 * seconds / (before + after))
+            before = after
     costs = [statistics.median(ratios[0])]
     for k in range(1, k_max + 1):
         costs.append(max(statistics.median(ratios[k]), costs[-1]))

@@ -404,13 +404,29 @@ def test_round_costs_are_measured_once_and_kept(tmp_path, monkeypatch):
     key = "device|model|shapes"
     first = calibration.round_costs(key, plain_seconds, round_seconds, 2)
     assert first == pytest.approx([1.25, 2.25, 3.25])
-    assert calls.count("plain") == calibration.REPEATS + 1  # one warm-up call
+    assert calls.count("plain") == calibration.REPEATS * 4 + 1  # beside each k; one warm-up call
     count = len(calls)
     again = calibration.round_costs(key, plain_seconds, round_seconds, 2)
     assert again == first and len(calls) == count  # read from the file
     assert (tmp_path / calibration.FILE).exists()
     (tmp_path / calibration.FILE).write_text("not json")  # a damaged file is measured again
     assert calibration.round_costs(key, plain_seconds, round_seconds, 2) == pytest.approx(first) and len(calls) > count
+
+
+def test_round_costs_cancel_a_machine_that_slows_steadily(tmp_path, monkeypatch):
+    """Each k is timed between two plain runs, so a drift of the machine's speed that is linear
+    over those three runs cancels: the costs come out as they are, however fast it drifts."""
+    from jaxmtp import calibration
+
+    monkeypatch.setenv("JAXMTP_CACHE_DIR", str(tmp_path))
+    clock = iter(range(1000))  # one tick per run; each run is 3% slower than the one before it
+
+    def slowed(seconds):
+        return seconds * (1 + 0.03 * next(clock))
+
+    steps = [1.1, 1.6, 2.1, 2.6]  # plain steps per round at k = 0..3
+    costs = calibration.round_costs("device|model|shapes", lambda: slowed(0.001), lambda k: slowed(0.001 * steps[k]), 3)
+    assert costs == pytest.approx(steps)
 
 
 def test_round_costs_below_their_bound_are_raised(tmp_path, monkeypatch):
