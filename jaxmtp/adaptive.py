@@ -20,10 +20,11 @@ layer over the last AUTO_SEGMENT positions (`decoding._refill`), which writes th
 segment at k = 0 left them empty) and drafts d1 from the newest one; positions further back that
 plain rounds decoded stay empty, so the drafts that attend to them may be accepted less often.
 Where no k > 0 pays, the loop runs at k = 0, whose rounds cost about a step of the plain decoding
-loop (0.92-1.08 of one for the demo, jaxmtp.calibration), so auto runs its own loop whatever the
-acceptance. What such
-a model still pays is the exploring: a call starts from the prior, and its first segment of
-AUTO_SEGMENT rounds runs at k = 1 wherever the prior says that pays.
+loop (0.92-1.09 of one for the demo, jaxmtp.calibration), so auto runs its own loop whatever the
+acceptance. What such a model still pays is the exploring: a call starts from the prior, and its
+first segment of AUTO_SEGMENT rounds runs at k = 1 wherever the prior says some k > 0 pays. The
+loop raises k by at most one per segment (jaxmtp.decoding._rounds), so a first segment, and a
+segment after rounds at k = 0, tries k = 1 whatever k the prior would pay best.
 """
 
 from __future__ import annotations

@@ -144,7 +144,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if r["k"] == "auto":
             lines.append(f"auto against the fastest of the others (median of the repeats' paired ratios): "
-                         f"{r['vs_best']:.2f}x k={r['best']}, decode only {r['decode_vs_best']:.2f}x k={r['decode_best']}")
+                         f"{r['vs_best']:.2f}x k={r['best']}, "
+                         f"decode only {r['decode_vs_best']:.2f}x k={r['decode_best']}")
     return "\n".join(lines)
 
 

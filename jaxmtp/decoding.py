@@ -88,7 +88,8 @@ class DecodeState:
     [B, R, D] (auto only, R = AUTO_SEGMENT): the main model's hidden states at positions n - R..n - 1
     (those before position 0 hold its), from which a segment of rounds at k > 0 fills those MTP
     slots and drafts d1 afresh (rounds at k = 0 leave both as they were); stale_draft (auto only,
-    a scalar): whether the last segment ran at k = 0, so that d1 needs that refill. Stats per row:
+    a scalar): whether the last segment ran at k = 0, so that d1 needs that refill; segment_k (auto
+    only, a scalar): the k of the last segment, 0 before the first. Stats per row:
     rounds, drafted, accepted, accepted_at [B, k] (rounds in which draft i was accepted), rounds_at
     [B, k + 1] (rounds run at each k); steps: main forward passes of the batch. counts: the
     batch's acceptance by draft position, which `speculative_k="auto"` chooses k from.
@@ -106,6 +107,7 @@ class DecodeState:
     draft_probs: jax.Array | None
     main_hidden: jax.Array | None
     stale_draft: jax.Array | None
+    segment_k: jax.Array | None
     key: jax.Array
     rounds: jax.Array
     drafted: jax.Array
@@ -230,8 +232,8 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
         first_logprob = _token_logprobs(static, logits[:, None], first[:, None], sampling)[:, 0]
         logprobs = jnp.zeros(seq.shape, jnp.float32).at[rows, lengths].set(first_logprob)
     state = DecodeState(seq=seq, logprobs=logprobs, n=lengths, count=kept, done=done, caches=caches, mtp_cache=None,
-                        draft=zeros, draft_hidden=None, draft_probs=None, main_hidden=None, stale_draft=None, key=key,
-                        rounds=zeros, drafted=zeros, accepted=zeros,
+                        draft=zeros, draft_hidden=None, draft_probs=None, main_hidden=None, stale_draft=None,
+                        segment_k=None, key=key, rounds=zeros, drafted=zeros, accepted=zeros,
                         accepted_at=jnp.zeros((batch, static.k), jnp.int32),
                         rounds_at=jnp.zeros((batch, static.k + 1), jnp.int32),
                         counts=AcceptanceCounts.zeros(static.k), steps=jnp.ones((), jnp.int32))
@@ -244,7 +246,8 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
     if not static.auto:
         return state
     window = jnp.maximum(last[:, None] - AUTO_SEGMENT + 1 + jnp.arange(AUTO_SEGMENT), 0)  # [B, R] positions
-    return state.replace(main_hidden=_rows_at(hidden, window), stale_draft=jnp.zeros((), bool))
+    return state.replace(main_hidden=_rows_at(hidden, window), stale_draft=jnp.zeros((), bool),
+                         segment_k=jnp.zeros((), jnp.int32))
 
 
 def _draft_from(static: Static, params, state: DecodeState, rows, cache: MLACache, slot, key, sampling,
@@ -345,7 +348,11 @@ def _shifted(window, hidden, kept):
 
 def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> DecodeState:
     """The next round at static.k; or with `auto` the next AUTO_SEGMENT rounds (fewer once every
-    row is done) at the k that `adaptive.best_k` (or force_k >= 0) says.
+    row is done) at the k that `adaptive.best_k` says, but at most one more than the last segment's
+    (or at force_k >= 0). The climb bounds what a wrong prior or a mispriced round costs: a call
+    whose drafts are never accepted first tries k = 1, not the k that the prior's acceptance would
+    pay best (the demo's MTP layer broken, 64 new tokens per call: its first segments at k = 3 made
+    auto 0.79x of plain decoding; `python benchmarks/useless_mtp.py --max-new-tokens 64`).
 
     The auto segment is a chain, not a lax.switch between round variants: the refill of the MTP
     slots (a conditional, where k > 0), then one while loop per k, of which only the chosen k's
@@ -356,7 +363,8 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
     more than the switch and its loop took."""
     if not static.auto:
         return decode_round(static, static.k, params, state, inputs)
-    k = jnp.where(inputs.force_k >= 0, inputs.force_k, best_k(state.counts, inputs.costs))
+    k = jnp.minimum(best_k(state.counts, inputs.costs), state.segment_k + 1)
+    k = jnp.where(inputs.force_k >= 0, inputs.force_k, k)
 
     def refill(state):  # the segment before may have run at k = 0
         key, draft_key = jax.random.split(state.key)
@@ -370,7 +378,7 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
         step = lambda carry, j=j: (carry[0] + 1, decode_round(static, j, params, carry[1], inputs))  # noqa: E731
         running = lambda carry, j=j: (k == j) & (carry[0] < AUTO_SEGMENT) & ~jnp.all(carry[1].done)  # noqa: E731
         state = jax.lax.while_loop(running, step, (jnp.int32(0), state))[1]
-    return state.replace(stale_draft=k == 0)
+    return state.replace(stale_draft=k == 0, segment_k=k)
 
 
 @partial(jax.jit, static_argnums=0)
