@@ -17,20 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-
-
-def rounds_seconds(prepared, inputs) -> float:
-    """Seconds of every round after the prefill (not timed)."""
-    import jax
-
-    from jaxmtp.decoding import advance, start
-
-    state = jax.block_until_ready(start(prepared.static, prepared.params, inputs))
-    began = time.perf_counter()
-    jax.block_until_ready(advance(prepared.static, prepared.params, state, inputs, jax.numpy.int32(2**31 - 1),
-                                  jax.numpy.zeros_like(inputs.real)))
-    return time.perf_counter() - began
 
 
 def main() -> None:
@@ -44,7 +30,7 @@ def main() -> None:
 
     import jaxmtp
     from jaxmtp import data
-    from jaxmtp.generation import prepare
+    from jaxmtp.generation import prepare, seconds_per_round
 
     model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
     tokenizer = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json"))
@@ -57,10 +43,10 @@ def main() -> None:
             plain = auto.plain()
             runs = ((auto, auto.forced(0, new)), (plain, plain.forced(0, new)))
             for run in runs:  # compiles
-                rounds_seconds(*run)
+                seconds_per_round(*run)
             ratios = []
             for pair in range(args.pairs):
-                seconds = {i: rounds_seconds(*runs[i]) for i in ((1, 0) if pair % 2 else (0, 1))}  # in turn
+                seconds = {i: seconds_per_round(*runs[i]) for i in ((1, 0) if pair % 2 else (0, 1))}  # in turn
                 ratios.append(seconds[0] / seconds[1])
             q1, median, q3 = statistics.quantiles(ratios, n=4)
             print(f"batch {batch}, {len(prompt)}-token prompt, {new} new tokens: a round of the auto loop at k = 0 "

@@ -219,28 +219,32 @@ def prepare(model: Model, prompts, config: GenerationConfig | None = None, **ove
     return Prepared(static, model.params, inputs, n, lengths)
 
 
+def seconds_per_round(run: Prepared, inputs: Inputs, steps: int = ALL_STEPS) -> float:
+    """Seconds per round (main forward) over up to `steps` loop steps of `run` on `inputs`, the
+    prefill before them not timed."""
+    state = jax.block_until_ready(start(run.static, run.params, inputs))
+    began = time.perf_counter()
+    state, _ = jax.block_until_ready(advance(run.static, run.params, state, inputs, jnp.int32(steps),
+                                             jnp.zeros_like(inputs.real)))
+    return (time.perf_counter() - began) / max(int(state.steps) - 1, 1)  # steps: the prefill's included
+
+
+def calibration_runs(prepared: Prepared):
+    """For an auto batch: (plain_seconds(), round_seconds(k)) as jaxmtp.calibration.measure takes
+    them: about calibration.ROUNDS steps of the plain loop, or rounds of the auto loop with k forced
+    (a token limit with room for ROUNDS full acceptances)."""
+    plain = prepared.plain()
+    segments = -(-calibration.ROUNDS // AUTO_SEGMENT)  # a loop step of the auto loop is a segment
+    return (lambda: seconds_per_round(plain, plain.forced(0, calibration.ROUNDS), calibration.ROUNDS),
+            lambda k: seconds_per_round(prepared, prepared.forced(k, calibration.ROUNDS * (k + 1)), segments))
+
+
 def calibrated(prepared: Prepared) -> Prepared:
     """With auto: the round costs for this device, model and buckets (measured with the compiled
     loops on first use, in steps of the plain loop; see jaxmtp.calibration) filled into the inputs."""
     if not prepared.static.auto:
         return prepared
-    plain = prepared.plain()
-    segments = -(-calibration.ROUNDS // AUTO_SEGMENT)  # a loop step of the auto loop is a segment
-
-    def seconds_per_round(run: Prepared, inputs: Inputs, steps: int) -> float:
-        """Seconds per round over `steps` loop steps of `run`, the prefill before them not timed
-        (the row's token limit leaves room for ROUNDS full acceptances, or ends earlier at the
-        cache's)."""
-        state = jax.block_until_ready(start(run.static, run.params, inputs))
-        began = time.perf_counter()
-        state, _ = jax.block_until_ready(advance(run.static, run.params, state, inputs, jnp.int32(steps),
-                                                 jnp.zeros_like(inputs.real)))
-        return (time.perf_counter() - began) / max(int(state.steps) - 1, 1)  # steps: the prefill's included
-
-    costs = calibration.round_costs(
-        prepared.cost_key(), lambda: seconds_per_round(plain, plain.forced(0, calibration.ROUNDS), calibration.ROUNDS),
-        lambda k: seconds_per_round(prepared, prepared.forced(k, calibration.ROUNDS * (k + 1)), segments),
-        prepared.static.k)
+    costs = calibration.round_costs(prepared.cost_key(), *calibration_runs(prepared), prepared.static.k)
     return prepared.with_costs(costs)
 
 
