@@ -91,13 +91,13 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
     plain_seconds() runs about ROUNDS steps of the plain decoding loop and round_seconds(k) about
     ROUNDS rounds of the auto loop with k forced, each after a prefill it does not time, and return
     the seconds per step or round. Each of REPEATS repeats runs the plain loop before and after
-    every k (P 0 P 1 P ... k_max P), half a second or so in all for the demo; the cost at k is the
+    every k (P 0 P 1 P ... k_max P), about 0.4 s per repeat for the demo; the cost at k is the
     median over the repeats of its time over the mean of the two plain runs beside it. A shared
     machine's slower spells last from a tenth of a second to seconds: a run at k and the plain runs
-    beside it mostly share one. (With a competing process on this 2-core machine, 7 repeats of
-    such pairs put k = 1 of the demo at 1.59-1.74 plain steps over 54 windows; a plain run only
-    before all the k, as the costs were measured before, 1.58-1.76 with 7 repeats and 1.51-1.89
-    with 5.)
+    beside it mostly share one. (Beside a competing process on a 2-core CPU, k = 1 of the demo
+    read 1.56-1.72 plain steps over every window of 7 repeats of 60; with one plain run before all
+    the k of a repeat and 5 repeats, as the costs were measured before, 1.55-1.96:
+    `python benchmarks/calibration.py --windows 60 --competing`.)
 
     A round at k > 0 does all the work of one at k - 1 and more (a main forward over one more row,
     one more MTP pass), so a median below the cost at k - 1 is the machine's noise and is raised to
