@@ -76,6 +76,9 @@ class LayerStack(nn.Module):
                         self.variables["params"][layer.name], x, positions, cache)
                 new.append(cache)
             return x, (None if caches is None else tuple(new))
+        if not (self.is_initializing() or self.is_mutable_collection("intermediates")):
+            return _layer_loop(_layer_call(self.config, self.dtype, self.moe, self.absorbed, self.layout),
+                               self.variables["params"]["layers"], x, positions, caches)
         scanned = nn.scan(DecoderLayer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                           in_axes=(nn.broadcast, 0), length=self.num_layers,
                           metadata_params={nn.PARTITION_NAME: "layers"})
@@ -92,3 +95,27 @@ def _layer_call(config, dtype, moe, absorbed, layout):
     its kernels are the same as with the layers traced one by one."""
     layer = DecoderLayer(config, dtype, moe, absorbed, layout)
     return jax.jit(lambda params, x, positions, cache: layer.apply({"params": params}, x, positions, cache))
+
+
+def _layer_loop(layer, stacked, x, positions, caches):
+    """Runs `layer` ((params, x, positions, cache) -> (x, cache)) over the layers of `stacked`
+    parameters [L, ...] in a fori_loop, each layer's cache [B, S, ...] read from and written back
+    into caches [L, B, S, ...] in place.
+
+    The parameters pass through an optimization barrier with the layer index at the top of each
+    iteration, so that XLA cannot treat them as loop invariant: a conversion of a layer's weights
+    (FP8 dequantization, or a backend's widening of a dtype its products do not take) then stays
+    per layer inside the loop instead of being hoisted out of it as one converted copy of the whole
+    stack (`jaxmtp plan` lists the largest temporaries)."""
+    def body(i, carry):
+        x, caches = carry
+        params, i = jax.lax.optimization_barrier((stacked, i))
+        own = jax.tree.map(lambda a: a[i], params)
+        cache = None if caches is None else jax.tree.map(lambda a: a[i], caches)
+        x, cache = layer(own, x, positions, cache)
+        if caches is not None:
+            caches = jax.tree.map(lambda a, c: jax.lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), i, 0),
+                                  caches, cache)
+        return x, caches
+
+    return jax.lax.fori_loop(0, jax.tree.leaves(stacked)[0].shape[0], body, (x, caches))

@@ -27,6 +27,7 @@ from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
 from jaxmtp.layout import Layout
 from jaxmtp.params import module
+from jaxmtp.quant import is_quantized
 from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities
 from jaxmtp.speculative import verify_greedy, verify_sampled
 from jaxmtp.transformer import DeepseekV3
@@ -170,6 +171,17 @@ def _rows_over_data(cache: MLACache, batch_axis: int) -> MLACache:
     return jax.lax.with_sharding_constraint(cache, spec)
 
 
+def _unhoisted(static: Static, params, counter):
+    """The parameters behind an optimization barrier with a loop counter, for a loop body: XLA then
+    cannot hoist a conversion of weights (FP8 dequantization, a backend's widening of a dtype its
+    products do not take) out of the loop as a converted copy of the whole model, which it would
+    keep for the loop's lifetime. Models whose dense weights are unrolled (the small ones, whose
+    weights need no conversion) keep XLA's hoisting."""
+    if static.layout.unrolled and not is_quantized(params):
+        return params
+    return jax.lax.optimization_barrier((params, counter))[0]
+
+
 def _rows_at(x, index):
     """x [B, T, ...], index [B, R] -> x[b, index[b, r]] [B, R, ...]."""
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
@@ -299,6 +311,7 @@ def decode_round(static: Static, k: int, params, state: DecodeState, inputs: Inp
     """One round for every row at k <= static.k: draft (k > 0), verify in one main forward, accept,
     commit, repair. A round at k = 0 leaves the MTP state as it is."""
     batch, sampling = state.n.shape[0], inputs.sampling
+    params = _unhoisted(static, params, state.steps)
     key, draft_key, verify_key, next_key = jax.random.split(state.key, 4)
     t_n = _row_gather(state.seq, state.n)
     if k:

@@ -7,7 +7,10 @@ compiled ahead of time for that mesh, and XLA's own memory analysis gives the pe
 
 from __future__ import annotations
 
+import glob
 import math
+import re
+import tempfile
 import time
 from functools import partial
 
@@ -76,16 +79,75 @@ def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, m
     rows_per_device = batch // data if batch % data == 0 else batch
     cache_bytes = layers * rows_per_device * static.cache_len * config.cache_width * jnp.dtype(dtype).itemsize
     start = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = _generation.lower(static, *args).compile()
-    seconds = time.perf_counter() - start
+    with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as dump:
+        compiled = _generation.lower(static, *args).compile(compiler_options={"xla_dump_to": dump,
+                                                                             "xla_dump_hlo_pass_re": "^$"})
+        seconds = time.perf_counter() - start
+        temporaries = largest_temporaries(dump)
     memory = compiled.memory_analysis()
     return {"devices": data * expert * tensor, "mesh": {"data": data, "expert": expert, "tensor": tensor},
             "batch": batch, "cache_len": static.cache_len, "prompt_len": args[1].prompt.shape[1], "k": k, "matmul": matmul,
             "parameter_bytes_per_device": int(param_bytes), "fp8_weights": int(fp8),
             "cache_bytes_per_device": int(cache_bytes),
             "xla_argument_bytes": int(memory.argument_size_in_bytes), "xla_output_bytes": int(memory.output_size_in_bytes),
-            "xla_temp_bytes": int(memory.temp_size_in_bytes), "compile_seconds": seconds}
+            "xla_temp_bytes": int(memory.temp_size_in_bytes), "compile_seconds": seconds,
+            "largest_temporaries": temporaries}
+
+
+def largest_temporaries(dump: str, count: int = 8) -> list[dict]:
+    """The largest buffers of the compiled generation's temporary allocation, from XLA's buffer
+    assignment in `dump` (an --xla_dump_to folder): [{"bytes", "shape", "op"}], largest first, one
+    entry per (shape, op) pair. `op` is the JAX operation that made the buffer (its op_name
+    metadata, e.g. ".../advance/while/body/.../moe/mlp/experts/..."), or XLA's instruction name
+    where it has none."""
+    (assignment,) = glob.glob(f"{dump}/*_generation*buffer-assignment.txt")
+    (program,) = glob.glob(f"{dump}/*_generation*after_optimizations.txt")
+    ops = _op_names(open(program).read())
+    text = open(assignment).read()
+    temp = next(block for block in re.split(r"^(?=allocation \d+:)", text, flags=re.M)
+                if "preallocated-temp" in block.split("\n", 1)[0])
+    values = re.findall(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)", temp)
+    seen, out = set(), []
+    for name, size, shape in sorted(values, key=lambda v: -int(v[1])):
+        op = ops.get(name, name).removeprefix("jit(_generation)/").replace("\\'", "'")
+        shape = shape.split("{")[0]
+        if (shape, op) not in seen:
+            seen.add((shape, op))
+            out.append({"bytes": int(size), "shape": shape, "op": op})
+        if len(out) == count:
+            break
+    return out
+
+
+def _op_names(program: str) -> dict[str, str]:
+    """Instruction name -> the JAX op_name behind it, from an optimized HLO module's text. A fusion
+    without one of its own takes its fused computation's root's (or else any of its
+    instructions'); one that only reads parameters (a dtype conversion of a weight) names them."""
+    named, fused, operands, computations = {}, {}, {}, {}
+    computation = None
+    for line in program.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if header and line.rstrip().endswith("{"):
+            computation = header.group(1)
+            continue
+        instruction = re.match(r"^\s*(ROOT )?%(\S+) = \S+ (\S+?)\((.*?)\)", line)
+        if not instruction:
+            continue
+        root, name = instruction.group(1), instruction.group(2)
+        op = re.search(r'op_name="([^"]*)"', line)
+        if op:
+            named[name] = op.group(1)
+            if computation and (root or computation not in computations):
+                computations[computation] = op.group(1)
+        calls = re.search(r"calls=%(\S+?)[,\s]", line)
+        if calls:
+            fused[name] = calls.group(1)
+        operands[name] = re.findall(r"%(\S+?)[,)]", instruction.group(4) + ")")
+    for name, computation in fused.items():
+        if name not in named:
+            read = [named[o] for o in operands.get(name, ()) if o in named and o not in fused]
+            named[name] = computations.get(computation) or ("reads " + ", ".join(read) if read else name)
+    return named
 
 
 def report(figures: dict) -> str:
@@ -104,5 +166,8 @@ def report(figures: dict) -> str:
              f"total per device:                    {gb(total)}"]
     for name, capacity in DEVICES.items():
         lines.append(f"  fits {name}: {'yes' if total <= capacity else 'no'} ({100 * total / capacity:.0f}% of memory)")
+    lines.append("largest temporaries (XLA buffer assignment):")
+    for t in figures["largest_temporaries"]:
+        lines.append(f"  {gb(t['bytes'])}  {t['shape']:28s} {t['op'][-110:]}")
     return "\n".join(lines)
 
