@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxmtp.adaptive import AcceptanceCounts, best_k
 from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
+from jaxmtp.generation_config import DEFAULT_PREFILL_CHUNK
 from jaxmtp.layout import Layout
 from jaxmtp.params import module
 from jaxmtp.quant import is_quantized
@@ -45,7 +46,8 @@ TRACES: collections.Counter = collections.Counter()
 class Static:
     """Everything the compiled loop is specialised on. k: the drafts per round, or with `auto` the
     most that a round may draft (each round then chooses its own k in 0..k). logprobs: the loop
-    keeps the log-probability of each emitted token."""
+    keeps the log-probability of each emitted token. prefill_chunk: prompt positions prefilled at
+    once (the prompt width is a multiple of it where it is wider)."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -55,6 +57,7 @@ class Static:
     layout: Layout
     auto: bool = False
     logprobs: bool = False
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
 
 @flax.struct.dataclass
@@ -223,51 +226,118 @@ def _token_logprobs(static: Static, logits, tokens, sampling):
     return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 
+@flax.struct.dataclass
+class _Prefilled:
+    """What the prefill carries from chunk to chunk. seq [B, W]: the prompt, and the first new token
+    at each row's length once its last prompt token has been passed; caches / mtp_cache; first [B]
+    and first_logprob [B] (or None); draft, draft_hidden [B, D], draft_probs [B, V] (or None): d1
+    and the MTP state it came from (k > 0; zeros before); main_hidden [B, R, D] (auto only): the
+    main model's hidden states at positions last - R + 1..last (position 0's before position 0)."""
+
+    seq: jax.Array
+    caches: dict
+    mtp_cache: MLACache | None
+    first: jax.Array
+    first_logprob: jax.Array | None
+    draft: jax.Array | None
+    draft_hidden: jax.Array | None
+    draft_probs: jax.Array | None
+    main_hidden: jax.Array | None
+
+
 def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
-    """Main forward over the prompts, the first token, and (k > 0) the MTP first pass -> d1."""
-    prompt, lengths, sampling = inputs.prompt, inputs.lengths, inputs.sampling
+    """Main forward over the prompts, the first token, and (k > 0) the MTP first pass -> d1.
+
+    Prompts longer than static.prefill_chunk are run a chunk of positions at a time in a loop: each
+    chunk writes its cache entries and attends over the cache so far, so the prefill's temporaries
+    depend on the chunk, not on the prompt. The MTP pass runs on each chunk right after the main
+    pass; a row's first new token (which its last MTP slot reads) is chosen in the chunk that holds
+    its last prompt position."""
+    prompt, lengths = inputs.prompt, inputs.lengths
     batch, width = prompt.shape
-    rows = jnp.arange(batch)
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), prompt.shape)
-    hidden, caches = _main_hidden(static, params, prompt, positions, empty_caches(static, batch), absorbed=False)
-    last = lengths - 1
+    chunk = min(static.prefill_chunk, width)
+    if width % chunk:
+        raise ValueError(f"prompt width {width} is not a multiple of the prefill chunk {chunk}")
     key, token_key, draft_key = jax.random.split(inputs.key, 3)
-    logits = _head(static, params, _row_gather(hidden, last))
-    first, _ = choose(token_key, logits, static.mode, sampling)
-    seq = jnp.zeros((batch, static.cache_len + static.k + 1), jnp.int32).at[:, :width].set(prompt)
-    seq = seq.at[rows, lengths].set(first)
-    zeros = jnp.zeros_like(lengths)
-    kept, done = _finish(seq, last, zeros, first[:, None], jnp.ones_like(lengths), inputs.limits, inputs.stops)
+    dtype, c, zeros = static.dtype, static.config, jnp.zeros_like(lengths)
+    carry = _Prefilled(
+        seq=jnp.zeros((batch, static.cache_len + static.k + 1), jnp.int32).at[:, :width].set(prompt),
+        caches=empty_caches(static, batch), first=zeros,
+        first_logprob=jnp.zeros((batch,), jnp.float32) if static.logprobs else None,
+        mtp_cache=(_rows_over_data(MLACache.zeros(c, None, batch, static.cache_len, dtype), 0) if static.k else None),
+        draft=zeros if static.k else None, draft_hidden=jnp.zeros((batch, c.hidden_size), dtype) if static.k else None,
+        draft_probs=(jnp.zeros((batch, c.vocab_size), jnp.float32) if static.k and not static.mode.greedy else None),
+        main_hidden=jnp.zeros((batch, AUTO_SEGMENT, c.hidden_size), dtype) if static.auto else None)
+    keys = (token_key, draft_key)
+    if chunk == width:
+        carry = _prefill_chunk(static, params, inputs, carry, keys, 0, chunk)
+    else:
+        def body(i, carry):
+            return _prefill_chunk(static, _unhoisted(static, params, i), inputs, carry, keys, i * chunk, chunk)
+
+        carry = jax.lax.fori_loop(0, width // chunk, body, carry)
+    last = lengths - 1
+    kept, done = _finish(carry.seq, last, zeros, carry.first[:, None], jnp.ones_like(lengths), inputs.limits,
+                         inputs.stops)
     kept, done = kept * inputs.real, done | ~inputs.real
     logprobs = None
     if static.logprobs:
-        first_logprob = _token_logprobs(static, logits[:, None], first[:, None], sampling)[:, 0]
-        logprobs = jnp.zeros(seq.shape, jnp.float32).at[rows, lengths].set(first_logprob)
-    state = DecodeState(seq=seq, logprobs=logprobs, n=lengths, count=kept, done=done, caches=caches, mtp_cache=None,
-                        draft=zeros, draft_hidden=None, draft_probs=None, main_hidden=None, stale_draft=None,
-                        segment_k=None, key=key, rounds=zeros, drafted=zeros, accepted=zeros,
-                        accepted_at=jnp.zeros((batch, static.k), jnp.int32),
-                        rounds_at=jnp.zeros((batch, static.k + 1), jnp.int32),
-                        counts=AcceptanceCounts.zeros(static.k), steps=jnp.ones((), jnp.int32))
+        logprobs = jnp.zeros(carry.seq.shape, jnp.float32).at[jnp.arange(batch), lengths].set(carry.first_logprob)
+    auto = static.auto
+    return DecodeState(seq=carry.seq, logprobs=logprobs, n=lengths, count=kept, done=done, caches=carry.caches,
+                       mtp_cache=carry.mtp_cache, draft=zeros if carry.draft is None else carry.draft,
+                       draft_hidden=carry.draft_hidden, draft_probs=carry.draft_probs, main_hidden=carry.main_hidden,
+                       stale_draft=jnp.zeros((), bool) if auto else None,
+                       segment_k=jnp.zeros((), jnp.int32) if auto else None, key=key, rounds=zeros, drafted=zeros,
+                       accepted=zeros, accepted_at=jnp.zeros((batch, static.k), jnp.int32),
+                       rounds_at=jnp.zeros((batch, static.k + 1), jnp.int32), counts=AcceptanceCounts.zeros(static.k),
+                       steps=jnp.ones((), jnp.int32))
+
+
+def _prefill_chunk(static: Static, params, inputs: Inputs, carry: _Prefilled, keys, start, chunk: int) -> _Prefilled:
+    """The prefill over prompt positions start..start + chunk - 1 of every row (see `prefill`)."""
+    batch, lengths, sampling = carry.seq.shape[0], inputs.lengths, inputs.sampling
+    rows = jnp.arange(batch)
+    positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+    tokens = jax.lax.dynamic_slice_in_dim(carry.seq, start, chunk, axis=1)
+    hidden, caches = _main_hidden(static, params, tokens, positions, carry.caches, absorbed=False)
+    last = lengths - 1
+    here = (last >= start) & (last < start + chunk)  # [B]: the row's last prompt position is in this chunk
+    at = jnp.clip(last - start, 0, chunk - 1)
+    logits = _head(static, params, _row_gather(hidden, at))
+    first, _ = choose(keys[0], logits, static.mode, sampling)
+    first = jnp.where(here, first, carry.first)
+    seq = carry.seq.at[rows, lengths].set(first)  # rows not yet at their end write the padding back
+    carry = carry.replace(seq=seq, caches=caches, first=first)
+    if static.logprobs:
+        logprob = _token_logprobs(static, logits[:, None], first[:, None], sampling)[:, 0]
+        carry = carry.replace(first_logprob=jnp.where(here, logprob, carry.first_logprob))
+    if static.auto:  # the hidden states at positions last - R + 1..last that lie in this chunk
+        window = jnp.maximum(last[:, None] - AUTO_SEGMENT + 1 + jnp.arange(AUTO_SEGMENT), 0)  # [B, R]
+        inside = (window >= start) & (window < start + chunk)
+        picked = _rows_at(hidden, jnp.clip(window - start, 0, chunk - 1))
+        carry = carry.replace(main_hidden=jnp.where(inside[..., None], picked.astype(carry.main_hidden.dtype),
+                                                    carry.main_hidden))
     if static.k == 0:
-        return state
+        return carry
     # MTP slot p pairs h_p with t_{p+1}; the slot of the last prompt token pairs it with `first`.
-    mtp_cache = _rows_over_data(MLACache.zeros(static.config, None, batch, static.cache_len, static.dtype), 0)
-    state = _draft_from(static, params, state, (hidden, seq[:, 1:width + 1], positions), mtp_cache, last, draft_key,
-                        sampling, absorbed=False)
-    if not static.auto:
-        return state
-    window = jnp.maximum(last[:, None] - AUTO_SEGMENT + 1 + jnp.arange(AUTO_SEGMENT), 0)  # [B, R] positions
-    return state.replace(main_hidden=_rows_at(hidden, window), stale_draft=jnp.zeros((), bool),
-                         segment_k=jnp.zeros((), jnp.int32))
+    next_tokens = jax.lax.dynamic_slice_in_dim(seq, start + 1, chunk, axis=1)
+    z, mtp_cache = _mtp_hidden(static, params, hidden, next_tokens, positions, carry.mtp_cache, absorbed=False)
+    z = _row_gather(z, at)
+    draft, probs = choose(keys[1], _head(static, params, z), static.mode, sampling)
+    carry = carry.replace(mtp_cache=mtp_cache, draft=jnp.where(here, draft, carry.draft),
+                          draft_hidden=jnp.where(here[:, None], z.astype(carry.draft_hidden.dtype), carry.draft_hidden))
+    if probs is not None:
+        carry = carry.replace(draft_probs=jnp.where(here[:, None], probs, carry.draft_probs))
+    return carry
 
 
-def _draft_from(static: Static, params, state: DecodeState, rows, cache: MLACache, slot, key, sampling,
-                absorbed: bool = True) -> DecodeState:
+def _draft_from(static: Static, params, state: DecodeState, rows, cache: MLACache, slot, key, sampling
+                ) -> DecodeState:
     """The MTP pass over rows = (main hidden states [B, T, D], the tokens after them [B, T], their
     positions [B, T]), writing their slots of `cache`; the next d1, its MTP hidden state and its
     distribution come from row `slot` [B] (the head runs for that row only)."""
-    z, cache = _mtp_hidden(static, params, *rows, cache, absorbed=absorbed)
+    z, cache = _mtp_hidden(static, params, *rows, cache, absorbed=True)
     z = _row_gather(z, slot)
     draft, probs = choose(key, _head(static, params, z), static.mode, sampling)
     return state.replace(mtp_cache=cache, draft=draft, draft_hidden=z, draft_probs=probs)

@@ -52,6 +52,13 @@ def bucket(n: int, smallest: int) -> int:
     return max(smallest, 1 << (n - 1).bit_length())
 
 
+def prompt_width(longest: int, chunk: int) -> int:
+    """The padded prompt width for prompts of up to `longest` tokens: its bucket, rounded up to a
+    whole number of prefill chunks where it is wider than one."""
+    width = bucket(longest, 16)
+    return width if width <= chunk else -(-width // chunk) * chunk
+
+
 def options(config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
     """`config` (default GenerationConfig()) with keyword arguments over it."""
     if config is not None and not isinstance(config, GenerationConfig):
@@ -73,6 +80,9 @@ def _check(model: Model, prompts, g: GenerationConfig):
     checks.whole("top_k", g.top_k, minimum=0)
     checks.real("top_p", g.top_p, minimum=0, maximum=1, above_minimum=True)
     checks.whole("seed", g.seed)
+    checks.whole("prefill_chunk", g.prefill_chunk, minimum=16)
+    if g.prefill_chunk % 16:
+        raise ValueError(f"prefill_chunk: expected a multiple of 16, found {g.prefill_chunk}")
     checks.stop_strings(g.stop)
     if not isinstance(g.return_logprobs, bool):
         raise TypeError(f"return_logprobs: expected True or False, found {g.return_logprobs!r}")
@@ -193,7 +203,7 @@ def prepare(model: Model, prompts, config: GenerationConfig | None = None, **ove
     k = (AUTO_MAX_K if c.has_mtp else 0) if auto else int(g.speculative_k)
     top_k = 0 if g.top_k >= c.vocab_size else int(g.top_k)  # keeping the whole vocabulary is no filter
     lengths = np.array([len(p) for p in prompts], np.int32)
-    batch, width = bucket(n, 1), bucket(int(lengths.max()), 16)
+    batch, width = bucket(n, 1), prompt_width(int(lengths.max()), g.prefill_chunk)
     limits = np.minimum(g.max_new_tokens, c.max_position_embeddings - lengths)
     cache_len = max(width, bucket(int((lengths + limits).max()) + k + 1, 64))
     prompt = np.zeros((batch, width), np.int32)
@@ -204,7 +214,7 @@ def prepare(model: Model, prompts, config: GenerationConfig | None = None, **ove
     limits = np.concatenate([limits, np.ones(pad, np.int32)]).astype(np.int32)
     real = np.arange(batch) < n
     static = Static(c, model.dtype, k, SamplingMode.of(g.temperature, top_k, g.top_p), cache_len, model.layout,
-                    auto=auto and k > 0, logprobs=g.return_logprobs)
+                    auto=auto and k > 0, logprobs=g.return_logprobs, prefill_chunk=g.prefill_chunk)
     rows = (prompt, lengths, limits, real)
     if model.mesh is not None:  # rows over the mesh's data axis
         from jaxmtp.sharding import batch_sharding, place, replicated

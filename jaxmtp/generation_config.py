@@ -10,6 +10,9 @@ from collections.abc import Sequence
 
 from jaxmtp.errors import ConfigError
 
+# Prompt positions the prefill runs at once by default; longer prompts are prefilled chunk by chunk.
+DEFAULT_PREFILL_CHUNK = 2048
+
 FILE = "generation_config.json"
 
 
@@ -22,7 +25,9 @@ class GenerationConfig:
     stop_token_ids: token sequences; a row stops right after the first complete one among its new
     tokens (checked on device). stop: strings; a row stops at the token whose decoded text
     completes one (needs a tokenizer; the text is cut before it). seed: of the sampling.
-    return_logprobs: also return each emitted token's log-probability."""
+    return_logprobs: also return each emitted token's log-probability. prefill_chunk: prompt
+    positions prefilled at once (a multiple of 16); a longer prompt is prefilled chunk by chunk,
+    which bounds the prefill's memory by the chunk instead of the prompt."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -34,6 +39,7 @@ class GenerationConfig:
     stop: Sequence[str] = ()
     seed: int = 0
     return_logprobs: bool = False
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     def replace(self, **changes) -> "GenerationConfig":
         """A copy with these fields changed; an unknown name is a TypeError naming it."""

@@ -22,6 +22,18 @@ from jaxmtp.quant import as_dense
 from jaxmtp.rope import apply_rope
 
 
+# Long attention runs over blocks of this many cache slots with an online softmax.
+KEY_BLOCK = 1024
+# ... where a pass's scores per row and head ([T, S]) would exceed this many entries: the prefill of
+# a long prompt, not a decode step.
+MAX_SCORES = 1 << 22
+
+
+def blockwise(queries: int, keys: int) -> bool:
+    """Whether a pass of `queries` rows attends over `keys` cache slots blockwise (MLA.attend_blockwise)."""
+    return keys > KEY_BLOCK and keys % KEY_BLOCK == 0 and queries * keys > MAX_SCORES
+
+
 class MLA(nn.Module):
     """Args of __call__:
       x: [B, T, D] normed input; positions: [B, T] absolute positions.
@@ -104,6 +116,9 @@ class MLA(nn.Module):
         slots past a query's position are masked either way. -> [B, T, H, V]"""
         def over(length):
             def branch(q_nope, q_pe, c_kv, k_pe):
+                if blockwise(q_nope.shape[1], length):
+                    absorbed = attend != self.attend_expanded
+                    return self.attend_blockwise(absorbed, q_nope, q_pe, c_kv[:, :length], k_pe[:, :length], positions)
                 mask = jnp.arange(length)[None, None, :] <= positions[:, :, None]  # [B, T, S]
                 dtype = q_nope.dtype
                 return attend(q_nope, q_pe, c_kv[:, :length].astype(dtype), k_pe[:, :length].astype(dtype), mask)
@@ -160,15 +175,7 @@ class MLA(nn.Module):
         read apart from the cache. -> [B, T, H, V]"""
         w_uk, w_uv = self.up_projections()
         b, t, h, _ = q_nope.shape
-        if self.layout.absorbed_queries:  # the query projection applied W_uk already
-            q_latent = q_nope
-        else:
-            # W_uk per head as one product batched over heads with the B*T rows as its M dimension:
-            # written as bthn,hnc->bthc, XLA CPU emitted its own loop for 2+ rows instead of a
-            # library product (the demo's 4-row main forward took about 1.15x the time; 1 row the same).
-            rows = q_nope.reshape(b * t, h, -1).transpose(1, 0, 2)  # [H, B*T, N]
-            q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
-            q_latent = q_latent.transpose(1, 0, 2).reshape(b, t, h, -1)  # [B, T, H, C]
+        q_latent = self.latent_queries(q_nope, w_uk)
         # Slot-major: the keys (cache slots) are M against the T*H query rows, then K against the
         # latent, so XLA CPU, which runs a product as [M, K] x [K, N] and copies an operand laid out
         # otherwise, copies neither the cache nor its transpose. The probabilities are transposed
@@ -185,6 +192,62 @@ class MLA(nn.Module):
         out_latent = out_latent.reshape(b, t, h, -1).transpose(2, 0, 1, 3)  # [H, B, T, C]: W_uv's input order
         out = jnp.einsum("hmc,hcv->hmv", out_latent.reshape(h, b * t, -1), w_uv.astype(out_latent.dtype))
         return out.reshape(h, b, t, -1).transpose(1, 2, 0, 3)  # [B, T, H, V]
+
+    def latent_queries(self, q_nope, w_uk):
+        """q_nope [B, T, H, N] times W_uk [H, N, C] -> the queries in the latent space [B, T, H, C]
+        (q_nope itself where the layout folded W_uk into the query projection)."""
+        if self.layout.absorbed_queries:
+            return q_nope
+        # W_uk per head as one product batched over heads with the B*T rows as its M dimension:
+        # written as bthn,hnc->bthc, XLA CPU emitted its own loop for 2+ rows instead of a library
+        # product (the demo's 4-row main forward took about 1.15x the time; 1 row the same).
+        b, t, h, _ = q_nope.shape
+        rows = q_nope.reshape(b * t, h, -1).transpose(1, 0, 2)  # [H, B*T, N]
+        q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
+        return q_latent.transpose(1, 0, 2).reshape(b, t, h, -1)
+
+    def attend_blockwise(self, absorbed: bool, q_nope, q_pe, c_kv, k_pe, positions):
+        """Attention over c_kv [B, S, C] / k_pe [B, S, R] a block of KEY_BLOCK keys at a time with an
+        online softmax (a running maximum and sum per query and head), masked to key position <=
+        query position (positions [B, T]), so that no [T, S] score matrix of the whole cache is
+        held: the absorbed form accumulates the latent [B, T, H, C] and applies W_uv once at the
+        end; the expanded form expands each block's keys and values. Blocks past the largest query
+        position are not visited. S is a multiple of KEY_BLOCK. -> [B, T, H, V]"""
+        w_uk, w_uv = self.up_projections()
+        dtype = q_nope.dtype
+        b, t, h, _ = q_nope.shape
+        queries = self.latent_queries(q_nope, w_uk) if absorbed else q_nope
+        width = c_kv.shape[-1] if absorbed else w_uv.shape[-1]
+
+        def block(j, carry):
+            top, total, acc = carry  # [B, T, H], [B, T, H], [B, T, H, width] float32
+            keys = jax.lax.dynamic_slice_in_dim(c_kv, j * KEY_BLOCK, KEY_BLOCK, axis=1).astype(dtype)
+            rope = jax.lax.dynamic_slice_in_dim(k_pe, j * KEY_BLOCK, KEY_BLOCK, axis=1).astype(dtype)
+            if absorbed:
+                nope, values = keys, keys
+                scores = jnp.einsum("bthc,bkc->bthk", queries, nope)
+                subscripts = "bthk,bkc->bthc"
+            else:
+                nope = jnp.einsum("bkc,hnc->bkhn", keys, w_uk.astype(dtype))
+                values = jnp.einsum("bkc,hcv->bkhv", keys, w_uv.astype(dtype))
+                scores = jnp.einsum("bthn,bkhn->bthk", queries, nope)
+                subscripts = "bthk,bkhv->bthv"
+            scores = (scores + jnp.einsum("bthr,bkr->bthk", q_pe, rope)).astype(jnp.float32) * self.config.softmax_scale
+            visible = j * KEY_BLOCK + jnp.arange(KEY_BLOCK) <= positions[:, :, None]  # [B, T, K]
+            scores = jnp.where(visible[:, :, None, :], scores, jnp.finfo(jnp.float32).min)
+            new_top = jnp.maximum(top, scores.max(axis=-1))
+            kept = jnp.exp(top - new_top)
+            probs = jnp.exp(scores - new_top[..., None])
+            acc = acc * kept[..., None] + jnp.einsum(subscripts, probs.astype(dtype), values,
+                                                     preferred_element_type=jnp.float32)
+            return new_top, total * kept + probs.sum(axis=-1), acc
+
+        # Block 0 holds position 0, which every query sees, so the running maximum is real from it on.
+        start = (jnp.full((b, t, h), jnp.finfo(jnp.float32).min), jnp.zeros((b, t, h)), jnp.zeros((b, t, h, width)))
+        blocks = jnp.minimum(positions.max() // KEY_BLOCK + 1, c_kv.shape[1] // KEY_BLOCK)
+        _, total, acc = jax.lax.fori_loop(0, blocks, block, start)
+        out = (acc / total[..., None]).astype(dtype)
+        return jnp.einsum("bthc,hcv->bthv", out, w_uv.astype(dtype)) if absorbed else out
 
     def softmax(self, scores, mask, axis):
         """Scaled, masked softmax in float32 over the key slots' `axis` of scores; mask broadcasts
