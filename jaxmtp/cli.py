@@ -18,6 +18,7 @@ import jaxmtp
 from jaxmtp import DEMO_MODEL, checks
 from jaxmtp.errors import CheckpointError, ConfigError
 from jaxmtp.generation import MAX_SPECULATIVE_K
+from jaxmtp.generation_config import DEFAULT_PREFILL_CHUNK
 from jaxmtp.sharding import AXES
 
 
@@ -126,6 +127,14 @@ def _non_negative(text: str) -> int:
 
 def _draft_count(text: str) -> int:
     return _whole(text, minimum=0, maximum=MAX_SPECULATIVE_K)
+
+
+def _chunk(text: str) -> int:
+    """--prefill-chunk: a positive multiple of 16."""
+    value = _whole(text, minimum=16)
+    if value % 16:
+        raise argparse.ArgumentTypeError(f"expected a multiple of 16, found {value}")
+    return value
 
 
 def _real(text: str, minimum: float, maximum: float = math.inf, above_minimum: bool = False) -> float:
@@ -331,7 +340,8 @@ def _generation_config(args, model):
     defaults; --ignore-eos drops every EOS id (else the file's, or the model config's)."""
     from jaxmtp.generation_config import GenerationConfig
 
-    flags = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+    flags = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                                                    "prefill_chunk")
              if getattr(args, name) is not None}
     config = GenerationConfig.from_pretrained(args.model, speculative_k=args.k, stop=tuple(args.stop),
                                               stop_token_ids=tuple(map(tuple, args.stop_tokens or ())), **flags)
@@ -396,7 +406,8 @@ def _plan(args):
     from jaxmtp.plan import plan, report
 
     figures = plan(_config(args.config), **sizes, batch=args.batch, max_len=args.max_len,
-                   prompt_len=args.prompt_len or args.max_len // 2, k=args.k, matmul=args.matmul)
+                   prompt_len=args.prompt_len or args.max_len // 2, k=args.k, matmul=args.matmul,
+                   prefill_chunk=args.prefill_chunk)
     print(report(figures))
 
 
@@ -521,6 +532,8 @@ def _parser() -> argparse.ArgumentParser:
                           "goes, from the measured cost of a round at each k on this machine and the acceptance so far")
     defaults = "; default: the model's generation_config.json, else "
     gen.add_argument("--max-new-tokens", type=_positive, help="new tokens per prompt, at most" + defaults + "64")
+    gen.add_argument("--prefill-chunk", type=_chunk,
+                     help=f"prompt positions prefilled at once (a multiple of 16); default {DEFAULT_PREFILL_CHUNK}")
     gen.add_argument("--temperature", type=_temperature, help="sampling temperature; 0 = greedy" + defaults + "0")
     gen.add_argument("--top-k", type=_non_negative, help="sample from the k likeliest tokens; 0 = all" + defaults + "0")
     gen.add_argument("--top-p", type=_top_p,
@@ -562,6 +575,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-len", type=_positive, default=4096, help="cache length in tokens")
     pl.add_argument("--prompt-len", type=_positive, help="prompt bucket in tokens; without it, half of --max-len")
     pl.add_argument("--k", type=_draft_count, default=2, help="MTP drafts per round")
+    pl.add_argument("--prefill-chunk", type=_chunk, default=DEFAULT_PREFILL_CHUNK,
+                    help="prompt positions prefilled at once (a multiple of 16)")
     pl.add_argument("--matmul", choices=("dequant", "fp8"), default="dequant",
                     help="how kept FP8 weights are multiplied (fp8: the W8A8 kernels, here lowered in interpret mode)")
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from jaxmtp.errors import ConfigError
 
 # Prompt positions the prefill runs at once by default; longer prompts are prefilled chunk by chunk.
-DEFAULT_PREFILL_CHUNK = 2048
+DEFAULT_PREFILL_CHUNK = 512
 
 FILE = "generation_config.json"
 

@@ -57,6 +57,7 @@ import jax
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.quant import QuantizedWeight, is_quantized
+from jaxmtp.sharding import expert_axes
 
 # Routed experts are split only for small expert counts: every expert has its own branch in every
 # MoE layer, and many tokens run every expert over all of them.
@@ -126,7 +127,7 @@ def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
     if is_quantized(params):
         return Layout(unrolled=True, prefix_attention=cpu)
     tensor = mesh is not None and mesh.shape.get("tensor", 1) > 1
-    parallel = tensor or (mesh is not None and mesh.shape.get("expert", 1) > 1)
+    parallel = tensor or (mesh is not None and bool(expert_axes(mesh, config.n_routed_experts)))
     split = config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel and cpu
     return Layout(unrolled=True, split_experts=split, inputs_first=True, prefix_attention=cpu,
                   joint_projections=not tensor, absorbed_queries=absorbing_is_no_larger(config))

@@ -15,6 +15,7 @@ from jaxmtp.config import ModelConfig
 from jaxmtp.layers import Dtype, Linear, normal_init, projection_weight
 from jaxmtp.layout import CHECKPOINT, Layout
 from jaxmtp.quant import QuantizedWeight, grouped_linear, linear, runs_fp8
+from jaxmtp.sharding import expert_axes
 
 
 class MLP(nn.Module):
@@ -218,13 +219,15 @@ def local_experts(x, weights, experts, gate, up, down, first, num_experts):
 
 def expert_parallel_mesh(config: ModelConfig, gate):
     """The context mesh (`jax.set_mesh`) when experts run expert/tensor-parallel, else None: needs
-    an expert or tensor axis > 1 that divides the expert count / intermediate size (in whole FP8
-    blocks for kept FP8 weights)."""
+    mesh axes that split the experts (jaxmtp.sharding.expert_axes) or a tensor axis > 1 that
+    divides the intermediate size (in whole FP8 blocks for kept FP8 weights)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    expert, tensor = mesh.shape.get("expert", 1), mesh.shape.get("tensor", 1)
-    if expert * tensor == 1 or config.n_routed_experts % expert or config.moe_intermediate_size % tensor:
+    tensor = mesh.shape.get("tensor", 1)
+    if config.moe_intermediate_size % tensor:
+        return None
+    if not expert_axes(mesh, config.n_routed_experts) and tensor == 1:
         return None
     if isinstance(gate, QuantizedWeight) and tensor > 1 and (config.moe_intermediate_size // tensor) % gate.block[0]:
         return None  # a device's slice would cut through FP8 scale blocks
@@ -232,21 +235,30 @@ def expert_parallel_mesh(config: ModelConfig, gate):
 
 
 def expert_parallel(mesh, x, weights, experts, gate, up, down, num_experts):
-    """Experts split over the `expert` axis and their intermediate dim over `tensor`, in shard_map:
-    each device runs its own experts' slices on the token copies routed to them, and one psum over
-    (expert, tensor) brings every token's output back together (tokens stay split over `data`)."""
-    tokens = P("data") if x.shape[0] % mesh.shape.get("data", 1) == 0 else P()
+    """Experts split over their mesh axes (`data` and `expert`, see jaxmtp.sharding) and their
+    intermediate dim over `tensor`, in shard_map. Tokens split over `data` (each device's own
+    rows, as attention left them) are first gathered over `data`; each device runs its own
+    experts' slices on the token copies routed to them; the outputs are summed over the expert
+    and tensor axes and each device keeps its own rows' sums (a reduce-scatter over `data`)."""
+    axes = expert_axes(mesh, num_experts)
+    split_rows = "data" in mesh.shape and x.shape[0] % mesh.shape["data"] == 0 and mesh.shape["data"] > 1
+    tokens = P("data") if split_rows else P()
+    gathered = split_rows and "data" in axes  # the experts of these rows live on other data shards too
 
     def shard(x, weights, experts, gate, up, down):
-        first = jax.lax.axis_index("expert") * gate.shape[0]
+        if gathered:
+            x, weights, experts = (jax.lax.all_gather(a, "data", axis=0, tiled=True) for a in (x, weights, experts))
+        first = (jax.lax.axis_index(axes) if axes else 0) * gate.shape[0]
         out = local_experts(x, weights, experts, gate, up, down, first, num_experts)
-        return jax.lax.psum(out, ("expert", "tensor"))
+        out = jax.lax.psum(out, tuple(a for a in axes if a != "data" or not gathered) + ("tensor",))
+        return jax.lax.psum_scatter(out, "data", scatter_dimension=0, tiled=True) if gathered else out
 
     def weight_spec(w, spec):  # FP8 weights: values and block scales are cut alike
         return w.replace(value=spec, scale=spec) if isinstance(w, QuantizedWeight) else spec
 
-    in_specs = (tokens, tokens, tokens, weight_spec(gate, P("expert", "tensor")), weight_spec(up, P("expert", "tensor")),
-                weight_spec(down, P("expert", None, "tensor")))
+    split = axes or None
+    in_specs = (tokens, tokens, tokens, weight_spec(gate, P(split, "tensor")), weight_spec(up, P(split, "tensor")),
+                weight_spec(down, P(split, None, "tensor")))
     # check_vma off: the FP8 Pallas kernels inside do not declare how their outputs vary over the mesh.
     return jax.shard_map(shard, mesh=mesh, out_specs=tokens, in_specs=in_specs, check_vma=False)(
         x, weights, experts, gate, up, down)

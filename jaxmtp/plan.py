@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.decoding import Inputs, Static, advance, start
-from jaxmtp.generation import ALL_STEPS, bucket
+from jaxmtp.generation import ALL_STEPS, prompt_width
+from jaxmtp.generation_config import DEFAULT_PREFILL_CHUNK
 from jaxmtp.layout import decode_layout
 from jaxmtp.params import abstract_params, param_shardings
 from jaxmtp.quant import QuantizedWeight, with_matmul
@@ -34,7 +35,7 @@ def _per_device_bytes(array: jax.ShapeDtypeStruct) -> int:
 
 
 def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_len: int, k: int, dtype,
-                    matmul: str = "dequant"):
+                    matmul: str = "dequant", prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
     """(Static, (abstract parameters, abstract `Inputs`)) for greedy generation on `mesh`, with the
     parameters in the layout `generate` decodes in (jaxmtp.layout.decode_layout); FP8 weights
     (kept when the config is quantized) multiplied by `matmul`."""
@@ -43,8 +44,9 @@ def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_
     params = with_matmul(abstract_params(config, dtype, keep_fp8=keep, layout=layout), matmul)
     shardings = param_shardings(config, params, mesh, layout)
     params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings)
-    width = bucket(prompt_len, 16)
-    static = Static(config, jnp.dtype(dtype), k, SamplingMode(), max(width, max_len), layout)
+    width = prompt_width(prompt_len, prefill_chunk)
+    static = Static(config, jnp.dtype(dtype), k, SamplingMode(), max(width, max_len), layout,
+                    prefill_chunk=prefill_chunk)
     rows = batch_sharding(mesh, 1) if batch % mesh.shape["data"] == 0 else replicated(mesh)
     matrix = batch_sharding(mesh, 2) if batch % mesh.shape["data"] == 0 else replicated(mesh)
     scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated(mesh))  # noqa: E731
@@ -67,10 +69,10 @@ def _generation(static: Static, params, inputs: Inputs):
 
 
 def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, max_len: int, prompt_len: int,
-         k: int = 2, dtype=jnp.bfloat16, matmul: str = "dequant") -> dict:
+         k: int = 2, dtype=jnp.bfloat16, matmul: str = "dequant", prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict:
     """Compiles speculative generation for the mesh and returns per-device byte counts."""
     mesh = make_mesh(data, expert, tensor, jax.devices()[:data * expert * tensor])
-    static, args = abstract_inputs(config, mesh, batch, prompt_len, max_len, k, dtype, matmul)
+    static, args = abstract_inputs(config, mesh, batch, prompt_len, max_len, k, dtype, matmul, prefill_chunk)
     leaves = jax.tree.leaves(args[0])
     param_bytes = max(sum(_per_device_bytes(x) for x in leaves if d in x.sharding.device_set) for d in mesh.devices.flat)
     fp8 = sum(w.value.size for w in jax.tree.leaves(args[0], is_leaf=lambda v: isinstance(v, QuantizedWeight))
@@ -87,6 +89,7 @@ def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, m
     memory = compiled.memory_analysis()
     return {"devices": data * expert * tensor, "mesh": {"data": data, "expert": expert, "tensor": tensor},
             "batch": batch, "cache_len": static.cache_len, "prompt_len": args[1].prompt.shape[1], "k": k, "matmul": matmul,
+            "prefill_chunk": prefill_chunk,
             "parameter_bytes_per_device": int(param_bytes), "fp8_weights": int(fp8),
             "cache_bytes_per_device": int(cache_bytes),
             "xla_argument_bytes": int(memory.argument_size_in_bytes), "xla_output_bytes": int(memory.output_size_in_bytes),
@@ -156,7 +159,7 @@ def report(figures: dict) -> str:
     total = figures["xla_argument_bytes"] + figures["xla_temp_bytes"] + figures["xla_output_bytes"]
     lines = [f"mesh data={m['data']} expert={m['expert']} tensor={m['tensor']} ({figures['devices']} devices), "
              f"batch {figures['batch']}, cache {figures['cache_len']} tokens, prompt bucket {figures['prompt_len']}, "
-             f"k={figures['k']}, matmul={figures['matmul']}; compiled in {figures['compile_seconds']:.0f} s",
+             f"prefill chunk {figures['prefill_chunk']}, k={figures['k']}, matmul={figures['matmul']}; compiled in {figures['compile_seconds']:.0f} s",
              f"parameters per device (largest):     {gb(figures['parameter_bytes_per_device'])}"
              f"   ({figures['fp8_weights'] / 1e9:.1f} B weights kept FP8)",
              f"MLA caches per device (main + MTP):  {gb(figures['cache_bytes_per_device'])}",

@@ -2,11 +2,18 @@
 
 Every parameter carries logical axis names (see `jaxmtp.params.logical_axes`); RULES turns them
 into mesh axes: batch over `data`, attention heads / MLP and expert intermediates / vocabulary over
-`tensor`, routed experts over `expert`. Everything else (model width, latent ranks, the layer
-stacking axis, norms, the router, whose weights every token needs) is replicated.
+`tensor`, routed experts over `data` and `expert` together. Everything else (model width, latent
+ranks, the layer stacking axis, norms, the router, whose weights every token needs) is replicated.
+
+So `data` is data-parallel attention beside expert-parallel MoE on the same devices: each device
+attends for its own rows and holds only their caches, and holds 1 / (data x expert) of the routed
+experts; the MoE layers exchange tokens between the two (jaxmtp.moe.expert_parallel). One node of
+8 GPUs serving a batch: make_mesh(data=8); 64 chips: make_mesh(data=8, tensor=8).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import numpy as np
@@ -20,7 +27,7 @@ RULES = (
     ("mlp", "tensor"),
     ("expert_mlp", "tensor"),
     ("vocab", "tensor"),
-    ("expert", "expert"),
+    ("expert", ("data", "expert")),
 )
 
 
@@ -41,8 +48,26 @@ def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) ->
     out = []
     for name, size in zip(logical, shape):
         axis = rules.get(name)
-        out.append(axis if axis is not None and size % mesh.shape[axis] == 0 else None)
+        if isinstance(axis, tuple):
+            axis = dividing_axes(axis, size, mesh) or None
+        out.append(axis if axis is None or isinstance(axis, tuple) or size % mesh.shape[axis] == 0 else None)
     return PartitionSpec(*out)
+
+
+def dividing_axes(axes: tuple[str, ...], size: int, mesh) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that a dimension of `size` is split over when its rule names
+    `axes`: all of them where their product divides it, else the longest tail of them that
+    divides it (routed experts: over data and expert, else over expert alone); () for none."""
+    for first in range(len(axes)):
+        kept = tuple(a for a in axes[first:] if mesh.shape.get(a, 1) > 1)
+        if kept and size % math.prod(mesh.shape[a] for a in kept) == 0:
+            return kept
+    return ()
+
+
+def expert_axes(mesh, num_experts: int) -> tuple[str, ...]:
+    """The mesh axes that the routed experts are split over (see RULES)."""
+    return dividing_axes(dict(RULES)["expert"], num_experts, mesh)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

@@ -77,6 +77,16 @@ def test_parameters_are_sharded_by_the_rules():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_data_axis_splits_the_experts_too():
+    """Data-parallel attention beside expert-parallel MoE: on (data=4, expert=2) the routed experts
+    are split over all 8 devices, attention weights stay whole (each device attends for its rows)."""
+    model = jaxmtp.init(CONFIG, seed=0, mesh=make_mesh(data=4, expert=2))
+    moe, c = model.params["moe_layers"]["layers"], CONFIG
+    L, E, I, D = c.num_moe_layers, c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+    assert shard_shapes(moe["mlp"]["experts"]["gate_proj"]) == {(L, E // 8, I, D)}
+    assert shard_shapes(moe["self_attn"]["q_b_proj"]["weight"]) == {moe["self_attn"]["q_b_proj"]["weight"].shape}
+
+
 @pytest.mark.parametrize("fmt", ["hf", "orbax"])
 def test_load_places_shards(single, tmp_path, fmt):
     jaxmtp.save(single, tmp_path / fmt, format=fmt)
@@ -85,7 +95,7 @@ def test_load_places_shards(single, tmp_path, fmt):
     assert loaded.mesh is mesh
     experts = loaded.params["moe_layers"]["layers"]["mlp"]["experts"]["up_proj"]
     L, E, I, D = experts.shape
-    assert shard_shapes(experts) == {(L, E // 2, I // 2, D)}
+    assert shard_shapes(experts) == {(L, E // 4, I // 2, D)}  # experts over data x expert, intermediate over tensor
     for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(loaded.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -173,3 +183,5 @@ def test_plan_compiles_speculative_generation_for_an_emulated_mesh():
     counts = jaxmtp.params.parameter_counts(config)
     total = 2 * (counts["main"] + counts["mtp_unique"])  # bf16
     assert total / 8 <= figures["parameter_bytes_per_device"] <= total  # at least an even share of 8 devices
+    largest = [t["bytes"] for t in figures["largest_temporaries"]]
+    assert largest == sorted(largest, reverse=True) and 0 < largest[0] <= figures["xla_temp_bytes"]
