@@ -403,9 +403,23 @@ def _plan(args):
     if jax.device_count() < count:
         shape = ",".join(f"{axis}={size}" for axis, size in sizes.items())
         raise UsageError(f"--mesh {shape}: needs {count} devices; this process has {jax.device_count()}")
-    from jaxmtp.plan import plan, report
+    from jaxmtp.plan import DEVICE_NAMES, DEVICES, fit, fit_report, plan, report, total_bytes
 
-    figures = plan(_config(args.config), **sizes, batch=args.batch, max_len=args.max_len,
+    config = _config(args.config)
+    if args.fit:
+        device = DEVICE_NAMES[args.fit]
+        def shown(f):
+            if not args.quiet:
+                print(f"  compiled batch {f['batch']}, cache {f['cache_len']}: {total_bytes(f) / 1e9:.2f} GB per "
+                      f"device ({f['compile_seconds']:.0f} s)", flush=True)
+
+        results = fit(config, **sizes, capacity=DEVICES[device], k=args.k, matmul=args.matmul,
+                      prefill_chunk=args.prefill_chunk, progress=shown)
+        print(fit_report(results, device))
+        return
+    if args.prompt_len and args.prompt_len > args.max_len:
+        raise UsageError(f"--prompt-len {args.prompt_len}: longer than the cache (--max-len {args.max_len})")
+    figures = plan(config, **sizes, batch=args.batch, max_len=args.max_len,
                    prompt_len=args.prompt_len or args.max_len // 2, k=args.k, matmul=args.matmul,
                    prefill_chunk=args.prefill_chunk)
     print(report(figures))
@@ -577,6 +591,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--k", type=_draft_count, default=2, help="MTP drafts per round")
     pl.add_argument("--prefill-chunk", type=_chunk, default=DEFAULT_PREFILL_CHUNK,
                     help="prompt positions prefilled at once (a multiple of 16)")
+    pl.add_argument("--fit", choices=("h200", "h100", "v5p", "v6e"),
+                    help="instead of one plan: the largest cache (with a prompt as long) that fits this device, "
+                         "for batches of 1, 2, 4 and 8 rows per data shard (several compiles)")
+    pl.add_argument("--quiet", action="store_true", help="with --fit: no line per compile")
     pl.add_argument("--matmul", choices=("dequant", "fp8"), default="dequant",
                     help="how kept FP8 weights are multiplied (fp8: the W8A8 kernels, here lowered in interpret mode)")
 

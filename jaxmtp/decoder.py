@@ -1,7 +1,8 @@
 """The pre-norm decoder layer and the stack of identical layers.
 
-In the checkpoint layout, layers of one kind are stacked on a leading `layers` axis and run with
-`nn.scan`, so tracing and compiling cost the same for 4 layers or 61. In an unrolled layout
+In the checkpoint layout, layers of one kind are stacked on a leading `layers` axis, created by
+`nn.scan` and run in a loop over the layer index (`_layer_loop`; training, which collects
+intermediates, runs the scan), so tracing and compiling cost the same for 4 layers or 61. In an unrolled layout
 (jaxmtp.layout, for decoding) each layer has its own parameters and cache and runs in turn; the
 layers of a kind are traced once.
 """
@@ -48,7 +49,7 @@ class DecoderLayer(nn.Module):
 
 
 class LayerStack(nn.Module):
-    """`num_layers` DecoderLayers with parameters stacked on axis 0, run by nn.scan; or, in an
+    """`num_layers` DecoderLayers with parameters stacked on axis 0, run by `_layer_loop`; or, in an
     unrolled layout, `layers_0 ..` with their own parameters, run one after the other.
 
     __call__(x, positions, caches) with caches an MLACache stacked [L, B, S, ...] (unrolled: a tuple

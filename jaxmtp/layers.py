@@ -123,7 +123,13 @@ class Embed(nn.Module):
                                  (self.vocab_size, self.features), self.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.weight, tokens, axis=0)
+        weight = self.weight
+        if weight.dtype.itemsize == 2 and jnp.issubdtype(weight.dtype, jnp.floating):
+            # Rows gathered as 16-bit integers and viewed back: XLA:CPU gathers no bfloat16, and widened
+            # the whole table to float32 (and kept that copy across the decode loop) to gather from it.
+            rows = jnp.take(jax.lax.bitcast_convert_type(weight, jnp.uint16), tokens, axis=0)
+            return jax.lax.bitcast_convert_type(rows, weight.dtype)
+        return jnp.take(weight, tokens, axis=0)
 
     def attend(self, h: jax.Array) -> jax.Array:
         return jnp.einsum("btd,vd->btv", h, self.weight, preferred_element_type=jnp.float32)

@@ -22,16 +22,17 @@ from jaxmtp.quant import as_dense
 from jaxmtp.rope import apply_rope
 
 
-# Long attention runs over blocks of this many cache slots with an online softmax.
+# Attention over more cache slots than this runs over blocks of this many with an online softmax ...
 KEY_BLOCK = 1024
-# ... where a pass's scores per row and head ([T, S]) would exceed this many entries: the prefill of
-# a long prompt, not a decode step.
-MAX_SCORES = 1 << 22
+# ... in passes of at least this many query rows per batch row: a prefill chunk, whose [T, S]
+# scores per head would grow with the cache, and which then reads only the blocks up to its last
+# position. A decode or verify pass (k + 1 <= 9 rows) keeps one product over the cache.
+MIN_BLOCKWISE_QUERIES = 16
 
 
 def blockwise(queries: int, keys: int) -> bool:
     """Whether a pass of `queries` rows attends over `keys` cache slots blockwise (MLA.attend_blockwise)."""
-    return keys > KEY_BLOCK and keys % KEY_BLOCK == 0 and queries * keys > MAX_SCORES
+    return keys > KEY_BLOCK and keys % KEY_BLOCK == 0 and queries >= MIN_BLOCKWISE_QUERIES
 
 
 class MLA(nn.Module):

@@ -28,6 +28,10 @@ from jaxmtp.sampling import SamplingMode, SamplingParams
 from jaxmtp.sharding import batch_sharding, make_mesh, replicated
 
 DEVICES = {"H200 (141 GB)": 141e9, "H100 (80 GB)": 80e9, "TPU v5p (95 GB)": 95e9, "TPU v6e (32 GB)": 32e9}
+# The name `jaxmtp plan --fit` takes for each.
+DEVICE_NAMES = {"h200": "H200 (141 GB)", "h100": "H100 (80 GB)", "v5p": "TPU v5p (95 GB)", "v6e": "TPU v6e (32 GB)"}
+# Cache lengths that `fit` reports are multiples of this (the cache bucket past 1024 slots).
+CONTEXT_STEP = 1024
 
 
 def _per_device_bytes(array: jax.ShapeDtypeStruct) -> int:
@@ -153,10 +157,72 @@ def _op_names(program: str) -> dict[str, str]:
     return named
 
 
+def total_bytes(figures: dict) -> int:
+    """Per-device bytes XLA holds for the program: arguments, temporaries and outputs."""
+    return figures["xla_argument_bytes"] + figures["xla_temp_bytes"] + figures["xla_output_bytes"]
+
+
+def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: float, k: int = 2, dtype=jnp.bfloat16,
+        matmul: str = "dequant", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, rows: int = 4,
+        progress=lambda figures: None) -> list[dict]:
+    """The largest cache lengths that fit `capacity` bytes per device, for batches of data x 1, 2,
+    4, .. rows per device (`rows` batches at most, fewer where not even one prefill chunk fits),
+    each with a prompt as long as its cache (prefilled in chunks).
+
+    Three compiles fit a model of the per-device total, a + batch x (cache_len x x + y) (the
+    caches grow with both, the prefill's and the decode loop's temporaries with the batch); each
+    batch's predicted length, rounded down to CONTEXT_STEP, is then compiled to check it, and
+    shortened by the excess over the per-token cost until it fits. -> one `plan` result per batch that fits (largest first
+    context), each with "fits": its capacity. `progress` receives every compile's figures."""
+    def measure(batch, length):
+        figures = plan(config, data, expert, tensor, batch, length, length, k, dtype, matmul, prefill_chunk)
+        progress(figures)
+        return figures
+
+    longest = config.max_position_embeddings - k - 1
+    short, long_ = 4 * CONTEXT_STEP, min(32 * CONTEXT_STEP, longest)
+    if long_ <= short:
+        raise ValueError(f"fit: max_position_embeddings {config.max_position_embeddings} leaves no room to search")
+    base = total_bytes(measure(data, short))
+    per_token = (total_bytes(measure(data, long_)) - base) / (data * (long_ - short))
+    per_row = (total_bytes(measure(2 * data, short)) - base) / data  # at the short length
+    fixed = base - data * per_row
+    out = []
+    for i in range(rows):
+        batch = data << i
+        room = (capacity - fixed) / batch - (per_row - short * per_token)
+        length = min(int(room / per_token) // CONTEXT_STEP * CONTEXT_STEP, longest // CONTEXT_STEP * CONTEXT_STEP)
+        while length >= max(prefill_chunk, CONTEXT_STEP):
+            figures = measure(batch, length)
+            excess = total_bytes(figures) - capacity
+            if excess <= 0:
+                out.append(dict(figures, fits=capacity))
+                break
+            # Shorter by what the excess holds in cache tokens (the per-token cost is the caches'
+            # and predicts well; the batch's temporaries are what the model misjudges).
+            length = min(length - CONTEXT_STEP,
+                         int(length - excess / (batch * per_token)) // CONTEXT_STEP * CONTEXT_STEP)
+        else:
+            break
+    return out
+
+
+def fit_report(results: list[dict], device: str) -> str:
+    gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    lines = [f"largest cache (= prompt, prefilled in chunks of {results[0]['prefill_chunk']}) that fits {device}, "
+             f"by batch:" if results else f"nothing fits {device}",
+             "batch  cache tokens  params GB  caches GB  temporaries GB  total GB  compile s"]
+    for r in results:
+        lines.append(f"{r['batch']:5d}  {r['cache_len']:12d}  {gb(r['parameter_bytes_per_device']):>9s}  "
+                     f"{gb(r['cache_bytes_per_device']):>9s}  {gb(r['xla_temp_bytes']):>14s}  "
+                     f"{gb(total_bytes(r)):>8s}  {r['compile_seconds']:9.0f}")
+    return "\n".join(lines if results else lines[:1])
+
+
 def report(figures: dict) -> str:
     gb = lambda b: f"{b / 1e9:8.2f} GB"  # noqa: E731
     m = figures["mesh"]
-    total = figures["xla_argument_bytes"] + figures["xla_temp_bytes"] + figures["xla_output_bytes"]
+    total = total_bytes(figures)
     lines = [f"mesh data={m['data']} expert={m['expert']} tensor={m['tensor']} ({figures['devices']} devices), "
              f"batch {figures['batch']}, cache {figures['cache_len']} tokens, prompt bucket {figures['prompt_len']}, "
              f"prefill chunk {figures['prefill_chunk']}, k={figures['k']}, matmul={figures['matmul']}; compiled in {figures['compile_seconds']:.0f} s",

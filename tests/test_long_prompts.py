@@ -34,7 +34,6 @@ def test_blockwise_attention_equals_whole_cache_attention(monkeypatch, absorbed,
     params = jax.tree.map(lambda p: p * 10.0, MLA(cfg).init(jax.random.key(1), x, positions, cache))
     whole, whole_cache = MLA(cfg, absorbed=absorbed).apply(params, x, positions, cache)
     monkeypatch.setattr(mla, "KEY_BLOCK", 32)
-    monkeypatch.setattr(mla, "MAX_SCORES", 256)
     assert mla.blockwise(rows, slots)
     blocks, blocks_cache = MLA(cfg, absorbed=absorbed).apply(params, x, positions, cache)
     np.testing.assert_allclose(blocks, whole, rtol=1e-5, atol=1e-5 * float(jnp.abs(whole).max()))
@@ -57,7 +56,6 @@ def test_chunked_prefill_equals_one_pass(monkeypatch, stacked, k):
     model = _model("partial", stacked, monkeypatch)
     whole = jaxmtp.generate(model, PROMPTS, max_new_tokens=8, speculative_k=k, return_logprobs=True)
     monkeypatch.setattr(mla, "KEY_BLOCK", 32)
-    monkeypatch.setattr(mla, "MAX_SCORES", 256)
     chunked = jaxmtp.generate(model, PROMPTS, max_new_tokens=8, speculative_k=k, return_logprobs=True,
                               prefill_chunk=16)
     assert chunked.tokens == whole.tokens
@@ -79,3 +77,39 @@ def test_prefill_chunk_is_checked():
     for chunk, message in [(8, "prefill_chunk"), (40, "multiple of 16")]:
         with pytest.raises(ValueError, match=message):
             jaxmtp.generate(model, PROMPTS, max_new_tokens=2, prefill_chunk=chunk)
+
+
+def test_chunked_prefill_writes_the_caches_of_one_pass(monkeypatch):
+    """Every cache entry a prompt position writes (main layers and MTP layer, every row up to its
+    length), the first token's log-probability and d1's MTP hidden state, within 1e-5."""
+    from jaxmtp.decoding import start
+    from jaxmtp.generation import prepare
+
+    model = gm.model("partial")
+    options = dict(max_new_tokens=4, speculative_k=2, return_logprobs=True)
+    whole = prepare(model, PROMPTS, **options)
+    monkeypatch.setattr(mla, "KEY_BLOCK", 32)
+    chunked = prepare(model, PROMPTS, prefill_chunk=16, **options)
+    a, b = (start(p.static, p.params, p.inputs) for p in (whole, chunked))
+    for row, length in enumerate(whole.lengths[:len(PROMPTS)]):
+        for got, want in zip(jax.tree.leaves((b.caches, b.mtp_cache)), jax.tree.leaves((a.caches, a.mtp_cache))):
+            np.testing.assert_allclose(got[row, :length], want[row, :length], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+    np.testing.assert_allclose(b.draft_hidden, a.draft_hidden, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(b.draft, a.draft)
+
+
+def test_chunked_prefill_on_a_data_parallel_mesh(monkeypatch):
+    """Rows and caches split over data=8 (experts too), prompts several chunks long: the tokens of
+    one device."""
+    from jaxmtp.params import param_shardings
+    from jaxmtp.sharding import make_mesh, place
+
+    config = gm.TINY.replace(num_attention_heads=8, q_lora_rank=32)
+    single = gm.model("partial", config)
+    mesh = make_mesh(data=8)
+    sharded = jaxmtp.Model(config, place(single.params, param_shardings(config, single.params, mesh)), mesh)
+    prompts = PROMPTS + [[5] * 40, [9, 8, 7], [300] * 20, [1], [2, 3] * 30]
+    want = jaxmtp.generate(single, prompts, max_new_tokens=6, speculative_k=2).tokens
+    monkeypatch.setattr(mla, "KEY_BLOCK", 32)
+    assert jaxmtp.generate(sharded, prompts, max_new_tokens=6, speculative_k=2, prefill_chunk=16).tokens == want

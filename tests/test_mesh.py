@@ -185,3 +185,16 @@ def test_plan_compiles_speculative_generation_for_an_emulated_mesh():
     assert total / 8 <= figures["parameter_bytes_per_device"] <= total  # at least an even share of 8 devices
     largest = [t["bytes"] for t in figures["largest_temporaries"]]
     assert largest == sorted(largest, reverse=True) and 0 < largest[0] <= figures["xla_temp_bytes"]
+
+
+def test_plan_fit_finds_contexts_that_fit_and_no_much_longer_one():
+    from jaxmtp.plan import fit, plan, total_bytes
+
+    config = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json").replace(max_position_embeddings=65536)
+    capacity = 60e6
+    results = fit(config, data=2, expert=2, tensor=2, capacity=capacity, k=2, rows=2)
+    assert [r["batch"] for r in results] == [2, 4]
+    assert all(total_bytes(r) <= capacity and r["prompt_len"] == r["cache_len"] for r in results)
+    longer = plan(config, 2, 2, 2, batch=2, max_len=results[0]["cache_len"] * 5 // 4,
+                  prompt_len=results[0]["cache_len"] * 5 // 4, k=2)
+    assert total_bytes(longer) > capacity
