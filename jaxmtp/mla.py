@@ -26,13 +26,18 @@ from jaxmtp.rope import apply_rope
 KEY_BLOCK = 1024
 # ... in passes of at least this many query rows per batch row: a prefill chunk, whose [T, S]
 # scores per head would grow with the cache, and which then reads only the blocks up to its last
-# position. A decode or verify pass (k + 1 <= 9 rows) keeps one product over the cache.
+# position ...
 MIN_BLOCKWISE_QUERIES = 16
+# ... and in decode and verify passes (k + 1 <= 9 rows) whose [T, S] scores per row and head would
+# exceed this many entries (k = 8 past 116K cached tokens). Below it they attend in one product:
+# their scores grow only as the cache does, and a loop over blocks would add kernels to every step.
+MAX_DECODE_SCORES = 1 << 20
 
 
 def blockwise(queries: int, keys: int) -> bool:
     """Whether a pass of `queries` rows attends over `keys` cache slots blockwise (MLA.attend_blockwise)."""
-    return keys > KEY_BLOCK and keys % KEY_BLOCK == 0 and queries >= MIN_BLOCKWISE_QUERIES
+    return (keys > KEY_BLOCK and keys % KEY_BLOCK == 0
+            and (queries >= MIN_BLOCKWISE_QUERIES or queries * keys > MAX_DECODE_SCORES))
 
 
 class MLA(nn.Module):
@@ -94,7 +99,7 @@ class MLA(nn.Module):
         causal = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
         if cache is None:
             out = attend(q_nope, q_pe, c_kv, k_pe, causal)  # [B, T, H, V]
-        elif attend == self.attend_expanded or x.shape[1] > 1:
+        elif attend == self.attend_expanded or x.shape[1] > 1 or blockwise(1, cache.max_len):
             cache = cache.write(positions, c_kv, k_pe)
             out = self.attend_cache(attend, q_nope, q_pe, cache, positions)
         else:

@@ -113,3 +113,15 @@ def test_chunked_prefill_on_a_data_parallel_mesh(monkeypatch):
     want = jaxmtp.generate(single, prompts, max_new_tokens=6, speculative_k=2).tokens
     monkeypatch.setattr(mla, "KEY_BLOCK", 32)
     assert jaxmtp.generate(sharded, prompts, max_new_tokens=6, speculative_k=2, prefill_chunk=16).tokens == want
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_decode_and_verify_passes_over_a_long_cache_attend_blockwise(monkeypatch, k):
+    """Decode steps (one row) and verify passes (k + 1 rows) over caches past MAX_DECODE_SCORES
+    attend blockwise: the tokens of whole-cache attention."""
+    model = gm.model("partial")
+    want = jaxmtp.generate(model, PROMPTS, max_new_tokens=8, speculative_k=k).tokens
+    monkeypatch.setattr(mla, "KEY_BLOCK", 16)
+    monkeypatch.setattr(mla, "MAX_DECODE_SCORES", 64)
+    assert mla.blockwise(1, 128) and mla.blockwise(k + 1, 128)
+    assert jaxmtp.generate(model, PROMPTS, max_new_tokens=8, speculative_k=k, prefill_chunk=32).tokens == want
