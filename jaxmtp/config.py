@@ -45,6 +45,10 @@ class RopeScaling:
     truncate: bool = True
 
 
+# quantization_config.scale_fmt values: absent (scales amax / 448) or "ue8m0" (powers of two).
+SCALE_FORMATS = (None, "ue8m0")
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
     """Block-scaled FP8 weights as published (`quantization_config`)."""
@@ -52,6 +56,7 @@ class QuantizationConfig:
     weight_block_size: tuple[int, int] = (128, 128)
     fmt: str = "e4m3"
     activation_scheme: str = "dynamic"
+    scale_fmt: str | None = None  # "ue8m0" (DeepSeek-V3.1 on): activation scales are powers of two
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +181,8 @@ class ModelConfig:
             q = self.quantization
             out["quantization_config"] = {"activation_scheme": q.activation_scheme, "fmt": q.fmt,
                                           "quant_method": "fp8", "weight_block_size": list(q.weight_block_size)}
+            if q.scale_fmt is not None:
+                out["quantization_config"]["scale_fmt"] = q.scale_fmt
         return out
 
 
@@ -255,7 +262,11 @@ def _quantization_from_hf(q) -> QuantizationConfig | None:
     if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(
             isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
         raise ConfigError(f"quantization_config.weight_block_size: expected two positive ints, found {list(block)}")
-    return QuantizationConfig(weight_block_size=tuple(block), activation_scheme=q.get("activation_scheme", "dynamic"))
+    scale_fmt = q.get("scale_fmt")
+    if scale_fmt not in SCALE_FORMATS:
+        raise ConfigError(f"quantization_config.scale_fmt: expected one of {SCALE_FORMATS}, found {scale_fmt!r}")
+    return QuantizationConfig(weight_block_size=tuple(block), activation_scheme=q.get("activation_scheme", "dynamic"),
+                              scale_fmt=scale_fmt)
 
 
 # ----- validation --------------------------------------------------------------------------

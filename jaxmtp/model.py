@@ -33,7 +33,8 @@ class Model:
     def with_matmul(self, matmul: str) -> "Model":
         """The same model with its FP8-kept weights multiplied by `matmul`: "fp8" (W8A8 block-scaled
         GEMM kernels) or "dequant" (dequantized on the fly). Dense weights are unaffected."""
-        return dataclasses.replace(self, params=with_matmul(self.params, matmul))
+        q = self.config.quantization
+        return dataclasses.replace(self, params=with_matmul(self.params, matmul, q.scale_fmt if q else None))
 
     def with_layout(self, layout: Layout) -> "Model":
         """The same model with its parameters arranged in `layout` (from the checkpoint layout; new

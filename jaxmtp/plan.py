@@ -45,7 +45,8 @@ def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_
     (kept when the config is quantized) multiplied by `matmul`."""
     keep = config.quantization is not None
     layout = decode_layout(config, abstract_params(config, dtype, keep_fp8=keep), mesh)
-    params = with_matmul(abstract_params(config, dtype, keep_fp8=keep, layout=layout), matmul)
+    params = with_matmul(abstract_params(config, dtype, keep_fp8=keep, layout=layout), matmul,
+                         config.quantization.scale_fmt if keep else None)
     shardings = param_shardings(config, params, mesh, layout)
     params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings)
     width = prompt_width(prompt_len, prefill_chunk)

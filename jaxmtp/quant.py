@@ -7,7 +7,8 @@ the parameter tree in place of a dense array, stacks over layers and slices unde
 
 How it is multiplied is static, part of the weight (`matmul`): "dequant" expands it to a dense
 weight inside the jitted computation; "fp8" quantizes the activations per token and 128 channels
-and runs DeepSeek-V3's W8A8 block-scaled GEMM (`pallas_kernels`).
+(with power-of-two scales where the checkpoint's `scale_fmt` is "ue8m0", as DeepSeek-V3.1's are)
+and runs DeepSeek-V3's W8A8 block-scaled GEMM (`pallas_kernels`). Weight scales are used as stored.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ class QuantizedWeight:
     scale: jax.Array  # [..., ceil(out/b), ceil(in/b)] float32
     block: tuple[int, int] = flax.struct.field(pytree_node=False, default=(128, 128))
     matmul: str = flax.struct.field(pytree_node=False, default="dequant")  # "dequant" | "fp8"
+    # How "fp8" quantizes the activations' scales: None (amax / 448) or "ue8m0" (rounded up to a
+    # power of two, DeepSeek-V3.1's quantization_config.scale_fmt).
+    scale_fmt: str | None = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def rounds_scales(self) -> bool:
+        return self.scale_fmt == "ue8m0"
 
     @property
     def shape(self):
@@ -84,8 +92,9 @@ def is_quantized(params) -> bool:
     return any(isinstance(leaf, QuantizedWeight) for leaf in leaves)
 
 
-def with_matmul(params, matmul: str):
-    """The parameter tree with every QuantizedWeight set to multiply by `matmul`."""
+def with_matmul(params, matmul: str, scale_fmt: str | None = None):
+    """The parameter tree with every QuantizedWeight set to multiply by `matmul`, quantizing the
+    activations with `scale_fmt` (the config's quantization.scale_fmt) where that is "fp8"."""
     if matmul not in MATMULS:
         raise ValueError(f"matmul: expected one of {MATMULS}, found {matmul!r}")
 
@@ -94,7 +103,7 @@ def with_matmul(params, matmul: str):
             return leaf
         if matmul == "fp8" and leaf.block != (128, 128):
             raise ValueError(f"matmul='fp8' needs 128x128 weight blocks, this checkpoint has {leaf.block}")
-        return leaf.replace(matmul=matmul)
+        return leaf.replace(matmul=matmul, scale_fmt=scale_fmt)
 
     return jax.tree.map(one, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
 
@@ -105,7 +114,8 @@ def linear(x, weight, inputs_first: bool = False, out_dtype=None) -> jax.Array:
     in it)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if runs_fp8(weight):
-        return fp8_block_matmul(*act_quant(x), weight.value, weight.scale, out_dtype=out_dtype)
+        return fp8_block_matmul(*act_quant(x, round_scale=weight.rounds_scales), weight.value, weight.scale,
+                                out_dtype=out_dtype)
     subscripts = "...i,io->...o" if inputs_first else "...i,oi->...o"
     return jnp.einsum(subscripts, x, as_dense(weight, x.dtype), preferred_element_type=out_dtype)
 
@@ -114,7 +124,8 @@ def grouped_linear(x, weight, group_sizes) -> jax.Array:
     """Rows of x, sorted by group, times their group's weight transposed. x [M, I], weight
     [G, O, I] (dense or QuantizedWeight), group_sizes [G] -> [M, O]; rows past the groups are zero."""
     if runs_fp8(weight):
-        return fp8_grouped_matmul(*act_quant(x), weight.value, weight.scale, group_sizes, out_dtype=x.dtype)
+        return fp8_grouped_matmul(*act_quant(x, round_scale=weight.rounds_scales), weight.value, weight.scale,
+                                  group_sizes, out_dtype=x.dtype)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     return jax.lax.ragged_dot_general(x, as_dense(weight, x.dtype), group_sizes, dims)

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.reference import BLOCK, E4M3_MAX
+from pallas_kernels.reference import BLOCK, activation_scales
 
 FP8 = jnp.float8_e4m3fn
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims of both: A [m, k] . B [n, k]^T
@@ -152,24 +152,23 @@ def _scales_by_block(x_scales, m_pad):
 # --- activation quantization ---
 
 
-def _act_quant_kernel(x_ref, q_ref, s_ref):
+def _act_quant_kernel(x_ref, q_ref, s_ref, *, round_scale):
     """x_ref [bm, 128] -> q_ref [bm, 128] (e4m3fn or its bytes), s_ref [bm, 1] float32."""
     x = x_ref[...].astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-    scale = jnp.maximum(amax, 1e-4) / E4M3_MAX
+    scale = activation_scales(jnp.max(jnp.abs(x), axis=1, keepdims=True), round_scale)
     y = x / scale
     q_ref[...] = y.astype(q_ref.dtype) if q_ref.dtype == FP8 else _f32_to_e4m3_bits(y)
     s_ref[...] = scale
 
 
-@functools.partial(jax.jit, static_argnames="target")
-def _act_quant(x, target):
+@functools.partial(jax.jit, static_argnames=("target", "round_scale"))
+def _act_quant(x, target, round_scale):
     m, k = x.shape
     bm = _block_m(m)
     m_pad, k_pad = _round_up(m, bm), _round_up(k, BLOCK)
     kb = k_pad // BLOCK
     q, s = pl.pallas_call(
-        _act_quant_kernel,
+        functools.partial(_act_quant_kernel, round_scale=round_scale),
         out_shape=(
             jax.ShapeDtypeStruct((m_pad, k_pad), FP8 if target.native_fp8 else jnp.uint8),
             jax.ShapeDtypeStruct((kb, m_pad, 1), jnp.float32),
@@ -186,11 +185,13 @@ def _act_quant(x, target):
     return _from_bytes(q[:m, :k]), s[:, :m, 0].T
 
 
-def act_quant(x, *, interpret=None, target=None):
+def act_quant(x, *, round_scale: bool = False, interpret=None, target=None):
     """Per token per 128 channels: scale = max(amax, 1e-4) / 448, values x / scale in e4m3fn.
 
     Args:
       x: [..., K] any float dtype.
+      round_scale: DeepSeek-V3.1's "ue8m0" scale format: each scale max(amax, 1e-4) x (1 / 448)
+        rounded up to a power of two (see `reference.activation_scales`).
       interpret: None chooses by platform (see `backend`); True forces interpret mode.
       target: a `Backend` overriding the detection (e.g. to force the integer FP8 fallback).
     Returns:
@@ -201,7 +202,7 @@ def act_quant(x, *, interpret=None, target=None):
       programs differently.
     """
     target = target or backend(interpret)
-    q, s = _act_quant(x.reshape(-1, x.shape[-1]), target)
+    q, s = _act_quant(x.reshape(-1, x.shape[-1]), target, round_scale)
     return q.reshape(x.shape), s.reshape(x.shape[:-1] + (-1,))
 
 
