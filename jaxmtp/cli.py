@@ -8,6 +8,7 @@ import dis
 import math
 import os
 import re
+import sys
 import time
 
 import jax
@@ -264,8 +265,9 @@ def _prompts(args, tokenizer):
             raise UsageError("--chat: applies the chat template to text prompts, not to --tokens")
         return args.tokens
     if tokenizer is None:
-        raise UsageError(f"--model {args.model}: no tokenizer.json to encode text prompts; pass token ids with "
-                         "--tokens 1,2,3")
+        found = ("has a tiktoken tokenizer (tiktoken.model, as Kimi K2 ships), which jaxmtp does not read"
+                 if os.path.exists(os.path.join(args.model, "tiktoken.model")) else "has no tokenizer.json")
+        raise UsageError(f"--model {args.model}: {found} to encode text prompts; pass token ids with --tokens 1,2,3")
     if args.chat:
         from jaxmtp.chat import chat_prompt
 
@@ -360,6 +362,9 @@ def _generate(args):
         raise UsageError(f"--stop: --model {args.model} has no tokenizer.json to decode the text with")
     prompts = _prompts(args, tokenizer)
     config = _generation_config(args, model)
+    if not model.config.has_mtp:
+        print("no MTP layer in this model (num_nextn_predict_layers = 0): speculation needs one, so this is plain "
+              "decoding", file=sys.stderr)
     compile_s = warm_up(model, prompts, config)
     for prompt in prompts:
         stream = generate_stream(model, prompt, config, tokenizer=tokenizer)

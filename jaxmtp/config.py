@@ -1,6 +1,6 @@
 """`ModelConfig`: the static, hashable description of a DeepSeek-V3-family model.
 
-It is read from and written to HF `config.json` (`model_type: deepseek_v3`) and passed explicitly to
+It is read from and written to HF `config.json` (`model_type` deepseek_v3 or kimi_k2) and passed explicitly to
 every module and jitted function. Validation is strict: a value jaxmtp cannot run exactly raises
 `ConfigError` naming the field, instead of being silently approximated.
 """
@@ -45,6 +45,9 @@ class RopeScaling:
     truncate: bool = True
 
 
+# The HF model types of the DeepSeek-V3 architecture: DeepSeek's own (V3, V3-0324, R1, V3.1,
+# Moonlight) and Moonshot's Kimi K2 (the same modules with its own sizes, no MTP weights released).
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 # quantization_config.scale_fmt values: absent (scales amax / 448) or "ue8m0" (powers of two).
 SCALE_FORMATS = (None, "ue8m0")
 
@@ -93,6 +96,7 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = 1
     initializer_range: float = 0.02
     quantization: QuantizationConfig | None = None
+    model_type: str = "deepseek_v3"  # one of MODEL_TYPES; kept so that a save writes it back
 
     def __post_init__(self):
         _validate(self)
@@ -138,8 +142,10 @@ class ModelConfig:
         raw = _read_json(source) if not isinstance(source, Mapping) else dict(source)
         if not isinstance(raw, Mapping):
             raise ConfigError(f"config.json: expected a JSON object of fields, found a JSON {type(raw).__name__}")
-        if raw.get("model_type") != "deepseek_v3":
-            raise ConfigError(f"model_type: expected 'deepseek_v3', found {raw.get('model_type')!r}")
+        model_type = raw.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"model_type: expected one of {', '.join(map(repr, MODEL_TYPES))} (the DeepSeek-V3 "
+                              f"architecture: V3, R1, V3.1, Moonlight, Kimi K2), found {model_type!r}")
         _check_supported(raw)
         kwargs = {name: _get(raw, name) for name in _REQUIRED}
         # The MoE sizes are required only if some layer is MoE, which these three decide.
@@ -161,13 +167,13 @@ class ModelConfig:
         kwargs["eos_token_id"] = tuple(eos) if isinstance(eos, list) else eos
         kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_from_hf(raw)
         kwargs["quantization"] = _quantization_from_hf(raw.get("quantization_config"))
-        return cls(**kwargs)
+        return cls(**kwargs, model_type=model_type)
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF `config.json` dict (`rope_parameters` spelling, as transformers 5 writes it)."""
-        out: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+        out: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": self.model_type}
         for f in dataclasses.fields(self):
-            if f.name not in ("rope_scaling", "quantization", "rope_theta"):
+            if f.name not in ("rope_scaling", "quantization", "rope_theta", "model_type"):
                 value = getattr(self, f.name)
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
