@@ -49,8 +49,9 @@ def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) ->
     for name, size in zip(logical, shape):
         axis = rules.get(name)
         if isinstance(axis, tuple):
-            axis = dividing_axes(axis, size, mesh) or None
-        out.append(axis if axis is None or isinstance(axis, tuple) or size % mesh.shape[axis] == 0 else None)
+            out.append(dividing_axes(axis, size, mesh) or None)
+        else:
+            out.append(axis if axis is not None and size % mesh.shape[axis] == 0 else None)
     return PartitionSpec(*out)
 
 
