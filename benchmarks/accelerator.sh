@@ -22,7 +22,9 @@
 #  10. benchmarks/auto_switch.py: the acceptance of auto's speculative rounds after its plain
 #      rounds and after speculative ones (what the MTP cache's missing positions cost),
 #  11. benchmarks/auto_k0.py: a round of the auto loop at k = 0 against a plain step (auto runs
-#      its own loop whatever the acceptance; XLA:GPU reads its loop conditions on the host).
+#      its own loop whatever the acceptance; XLA:GPU reads its loop conditions on the host),
+#  12. benchmarks/plan_on_device.py: DeepSeek-V3 671B widths with 4 layers, FP8 weights: the CPU's
+#      `jaxmtp plan` prediction, XLA's analysis on the device, and the device's measured peak.
 # Each step has its own time limit and log (OUT_DIR/<step>.log); a failing step does not stop the
 # others. PROMPTS_FILE holds bench prompts as token ids ("1,2;3,4"), so that the figures compare
 # with a run elsewhere (the held-out prompts otherwise come from this machine's Python sources).
@@ -73,3 +75,5 @@ step hlo 90 bash -c 'JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="--xla_dump_
 step row_products 30 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/row_products.py --repeats 5
 step auto_switch 60 $py benchmarks/auto_switch.py
 step auto_k0 60 $py benchmarks/auto_k0.py --pairs 9
+step plan_device 240 bash -c 'JAX_PLATFORMS=cpu "$0" benchmarks/plan_on_device.py --plan-only &&
+  "$0" benchmarks/plan_on_device.py --json "$1"' "$py" "$out/plan_device.json"
