@@ -412,7 +412,10 @@ def _plan(args):
 
     config = _config(args.config)
     if args.fit:
+        if args.prompt_len:
+            raise UsageError("--fit searches caches with prompts as long as they are; --prompt-len does not apply")
         device = DEVICE_NAMES[args.fit]
+
         def shown(f):
             if not args.quiet:
                 print(f"  compiled batch {f['batch']}, cache {f['cache_len']}: {total_bytes(f) / 1e9:.2f} GB per "
