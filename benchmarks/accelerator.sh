@@ -75,5 +75,5 @@ step hlo 90 bash -c 'JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="--xla_dump_
 step row_products 30 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/row_products.py --repeats 5
 step auto_switch 60 $py benchmarks/auto_switch.py
 step auto_k0 60 $py benchmarks/auto_k0.py --pairs 9
-step plan_device 240 bash -c 'JAX_PLATFORMS=cpu "$0" benchmarks/plan_on_device.py --plan-only &&
-  "$0" benchmarks/plan_on_device.py --json "$1"' "$py" "$out/plan_device.json"
+step plan_device 240 bash -c 'JAX_PLATFORMS=cpu "$0" benchmarks/plan_on_device.py --matmul fp8 --plan-only &&
+  "$0" benchmarks/plan_on_device.py --matmul fp8 --json "$1"' "$py" "$out/plan_device.json"

@@ -6,7 +6,7 @@ plan_device, which also prints the CPU's prediction with JAX_PLATFORMS=cpu --pla
 it checks that the script runs (CPUs report no memory stats).
 
     python benchmarks/plan_on_device.py [--config deepseek_v3_671b] [--layers 4] [--batch 1]
-        [--max-len 4096] [--prompt-len 256] [--k 3] [--plan-only] [--json OUT]
+        [--max-len 4096] [--prompt-len 256] [--k 3] [--matmul fp8] [--plan-only] [--json OUT]
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def main():
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--matmul", choices=("fp8", "dequant"), help="how FP8 weights are multiplied; default: "
+                        "the platform's (jaxmtp.quant.default_matmul)")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--plan-only", action="store_true",
                         help="only XLA's analysis on this platform (JAX_PLATFORMS=cpu: the CPU's prediction)")
@@ -57,7 +59,7 @@ def main():
 
     path = os.path.join(jaxmtp.CONFIGS, args.config + ".json") if os.sep not in args.config else args.config
     config = jaxmtp.ModelConfig.from_hf_config(path).replace(num_hidden_layers=args.layers)
-    matmul = default_matmul()
+    matmul = args.matmul or default_matmul()
     device = jax.devices()[0]
     predicted = plan(config, 1, 1, 1, args.batch, args.max_len, args.prompt_len, args.k, matmul=matmul)
     if args.plan_only:
