@@ -34,7 +34,8 @@ def random_parameters(config, dtype=jnp.bfloat16, seed=0):
 
     def one(key, leaf):
         if isinstance(leaf, QuantizedWeight):
-            value = jax.jit(lambda k: jax.random.normal(k, leaf.value.shape, jnp.bfloat16).astype(jnp.float8_e4m3fn))(key)
+            draw = jax.jit(lambda k: jax.random.normal(k, leaf.value.shape, jnp.bfloat16).astype(jnp.float8_e4m3fn))
+            value = draw(key)
             scale = jnp.full(leaf.scale.shape, 0.02, jnp.float32)
             return leaf.replace(value=value, scale=scale)
         return jax.jit(lambda k: (0.02 * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype))(key)

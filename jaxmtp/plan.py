@@ -173,8 +173,8 @@ def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: floa
     Three compiles fit a model of the per-device total, a + batch x (cache_len x x + y) (the
     caches grow with both, the prefill's and the decode loop's temporaries with the batch); each
     batch's predicted length, rounded down to CONTEXT_STEP, is then compiled to check it, and
-    shortened by the excess over the per-token cost until it fits. -> one `plan` result per batch that fits (largest first
-    context), each with "fits": its capacity. `progress` receives every compile's figures."""
+    shortened by the excess over the per-token cost until it fits. -> the `plan` result of each
+    batch that fits, smallest batch first. `progress` receives every compile's figures."""
     def measure(batch, length):
         figures = plan(config, data, expert, tensor, batch, length, length, k, dtype, matmul, prefill_chunk)
         progress(figures)
@@ -197,7 +197,7 @@ def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: floa
             figures = measure(batch, length)
             excess = total_bytes(figures) - capacity
             if excess <= 0:
-                out.append(dict(figures, fits=capacity))
+                out.append(figures)
                 break
             # Shorter by what the excess holds in cache tokens (the per-token cost is the caches'
             # and predicts well; the batch's temporaries are what the model misjudges).
@@ -226,7 +226,8 @@ def report(figures: dict) -> str:
     total = total_bytes(figures)
     lines = [f"mesh data={m['data']} expert={m['expert']} tensor={m['tensor']} ({figures['devices']} devices), "
              f"batch {figures['batch']}, cache {figures['cache_len']} tokens, prompt bucket {figures['prompt_len']}, "
-             f"prefill chunk {figures['prefill_chunk']}, k={figures['k']}, matmul={figures['matmul']}; compiled in {figures['compile_seconds']:.0f} s",
+             f"prefill chunk {figures['prefill_chunk']}, k={figures['k']}, matmul={figures['matmul']}; "
+             f"compiled in {figures['compile_seconds']:.0f} s",
              f"parameters per device (largest):     {gb(figures['parameter_bytes_per_device'])}"
              f"   ({figures['fp8_weights'] / 1e9:.1f} B weights kept FP8)",
              f"MLA caches per device (main + MTP):  {gb(figures['cache_bytes_per_device'])}",

@@ -22,7 +22,8 @@ KIMI_TINY = dict(ref.BASE, n_group=1, topk_group=1, routed_scaling_factor=2.827,
 def test_published_config_loads_and_counts_about_a_trillion():
     config = jaxmtp.ModelConfig.from_hf_config("configs/kimi_k2.json")
     assert config.model_type == "kimi_k2" and not config.has_mtp
-    assert (config.n_routed_experts, config.num_attention_heads, config.n_group, config.vocab_size) == (384, 64, 1, 163840)
+    sizes = (config.n_routed_experts, config.num_attention_heads, config.n_group, config.vocab_size)
+    assert sizes == (384, 64, 1, 163840)
     counts = parameter_counts(config)
     assert round(counts["main"] / 1e12, 2) == 1.03 and counts["mtp_unique"] == 0
     assert config.to_hf_config()["model_type"] == "kimi_k2"
