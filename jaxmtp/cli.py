@@ -75,8 +75,8 @@ def _reading(flag: str, value: str):
         raise UsageError(f"{flag} {report}" if report.startswith(value) else f"{flag} {value}: {report}") from e
 
 
-_CONFIG_HELP = ("HF config.json (file or directory), or the name of a config shipped with jaxmtp: tiny, demo, "
-                "deepseek_v3_671b")
+_CONFIG_HELP = ("HF config.json (file or directory), or the name of a config shipped with jaxmtp: "
+                + ", ".join(sorted(name.removesuffix(".json") for name in os.listdir(jaxmtp.CONFIGS))))
 
 
 def _config_path(path: str) -> str:
@@ -230,7 +230,8 @@ def _info(args):
     print(f"parameters, MTP with embed/head copy:{counts['mtp_with_copies'] / 1e9:8.2f} B")
     per_token = bytes_per_token(config, jnp.bfloat16)
     layers = config.num_hidden_layers + config.num_nextn_predict_layers
-    print(f"MLA cache, bf16: {per_token} B per token per layer, {per_token * layers:,} B per token "
+    what = "MLA + indexer key" if config.has_indexer else "MLA"
+    print(f"cache ({what}), bf16: {per_token} B per token per layer, {per_token * layers:,} B per token "
           f"({layers} layers incl. MTP)")
     if args.lower:
         params = abstract_params(config, jnp.bfloat16)

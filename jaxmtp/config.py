@@ -1,6 +1,7 @@
 """`ModelConfig`: the static, hashable description of a DeepSeek-V3-family model.
 
-It is read from and written to HF `config.json` (`model_type` deepseek_v3 or kimi_k2) and passed explicitly to
+It is read from and written to HF `config.json` (`model_type` deepseek_v3, kimi_k2 or deepseek_v32) and passed
+explicitly to
 every module and jitted function. Validation is strict: a value jaxmtp cannot run exactly raises
 `ConfigError` naming the field, instead of being silently approximated.
 """
@@ -46,8 +47,13 @@ class RopeScaling:
 
 
 # The HF model types of the DeepSeek-V3 architecture: DeepSeek's own (V3, V3-0324, R1, V3.1,
-# Moonlight) and Moonshot's Kimi K2 (the same modules with its own sizes, no MTP weights released).
-MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+# Moonlight), Moonshot's Kimi K2 (the same modules with its own sizes, no MTP weights released) and
+# DeepSeek-V3.2 (the same plus a lightning indexer in every attention: DeepSeek Sparse Attention).
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32")
+ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+                 "deepseek_v32": "DeepseekV32ForCausalLM"}
+# HF `DeepseekV32Config` defaults for the indexer's sizes (DeepSeek-V3.2's own values).
+_INDEX_DEFAULTS = dict(index_n_heads=64, index_head_dim=128, index_topk=2048)
 # quantization_config.scale_fmt values: absent (scales amax / 448) or "ue8m0" (powers of two).
 SCALE_FORMATS = (None, "ue8m0")
 
@@ -97,6 +103,11 @@ class ModelConfig:
     initializer_range: float = 0.02
     quantization: QuantizationConfig | None = None
     model_type: str = "deepseek_v3"  # one of MODEL_TYPES; kept so that a save writes it back
+    # DeepSeek Sparse Attention (deepseek_v32; 0 = none): each query attends to the index_topk cached
+    # keys that its lightning indexer (index_n_heads heads of index_head_dim) scores highest.
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     def __post_init__(self):
         _validate(self)
@@ -120,8 +131,18 @@ class ModelConfig:
 
     @property
     def cache_width(self) -> int:
-        """Values cached per token per layer: compressed latent + shared RoPE key."""
+        """MLA's values cached per token per layer: compressed latent + shared RoPE key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def has_indexer(self) -> bool:
+        """Whether attention is DeepSeek Sparse Attention (a lightning indexer selects the keys)."""
+        return self.index_topk > 0
+
+    @property
+    def cached_per_token(self) -> int:
+        """All values cached per token per layer: MLA's, plus the indexer's key where there is one."""
+        return self.cache_width + self.index_head_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -167,13 +188,18 @@ class ModelConfig:
         kwargs["eos_token_id"] = tuple(eos) if isinstance(eos, list) else eos
         kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_from_hf(raw)
         kwargs["quantization"] = _quantization_from_hf(raw.get("quantization_config"))
+        if model_type == "deepseek_v32":
+            kwargs.update(_indexer_from_hf(raw, dense))
         return cls(**kwargs, model_type=model_type)
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF `config.json` dict (`rope_parameters` spelling, as transformers 5 writes it)."""
-        out: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": self.model_type}
+        out: dict[str, Any] = {"architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type}
+        # HF's DeepSeek-V3.2 always rotates MLA's pairs interleaved and has no rope_interleave field.
+        skipped = {"rope_scaling", "quantization", "rope_theta", "model_type"}
+        skipped |= {"rope_interleave"} if self.has_indexer else {"index_n_heads", "index_head_dim", "index_topk"}
         for f in dataclasses.fields(self):
-            if f.name not in ("rope_scaling", "quantization", "rope_theta", "model_type"):
+            if f.name not in skipped:
                 value = getattr(self, f.name)
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
@@ -255,6 +281,22 @@ def _rope_from_hf(raw: Mapping) -> tuple[float, RopeScaling | None]:
     return theta, scaling
 
 
+def _indexer_from_hf(raw: Mapping, dense: int) -> dict[str, Any]:
+    """DeepSeek-V3.2's indexer sizes (HF's defaults where absent). Its MLA rotates interleaved pairs
+    whatever `rope_interleave` says (HF's V3.2 has no such field): true or absent is accepted."""
+    if raw.get("rope_interleave", True) is not True:
+        raise ConfigError(f"rope_interleave: DeepSeek-V3.2's attention rotates interleaved pairs, found "
+                          f"{raw['rope_interleave']!r}")
+    types = raw.get("mlp_layer_types")
+    layers = raw["num_hidden_layers"]
+    if types is not None and list(types) != ["dense"] * dense + ["sparse"] * (layers - dense):
+        raise ConfigError(f"mlp_layer_types: expected first_k_dense_replace={dense} 'dense' then 'sparse', "
+                          f"found {types!r}")
+    out = {name: raw.get(name, default) for name, default in _INDEX_DEFAULTS.items()}
+    out["rope_interleave"] = True
+    return out
+
+
 def _quantization_from_hf(q) -> QuantizationConfig | None:
     if q is None:
         return None
@@ -309,6 +351,11 @@ def _validate(c: ModelConfig):
         _validate_routing(c)
     if c.rope_scaling is not None:
         _validate_rope(c.rope_scaling)
+    if (c.model_type == "deepseek_v32") != c.has_indexer:
+        raise ConfigError(f"index_topk: model_type 'deepseek_v32' and only it has an indexer (index_topk > 0); "
+                          f"found model_type {c.model_type!r} with index_topk {c.index_topk}")
+    if c.has_indexer:
+        _validate_indexer(c)
 
 
 def _validate_routing(c: ModelConfig):
@@ -324,6 +371,17 @@ def _validate_routing(c: ModelConfig):
                           f"experts in the topk_group={c.topk_group} kept groups")
     if not c.routed_scaling_factor > 0:
         raise ConfigError(f"routed_scaling_factor: must be positive, found {c.routed_scaling_factor}")
+
+
+def _validate_indexer(c: ModelConfig):
+    for name in ("index_n_heads", "index_head_dim", "index_topk"):
+        _check_int(name, getattr(c, name), minimum=1)
+    if c.q_lora_rank is None:
+        raise ConfigError("q_lora_rank: DeepSeek Sparse Attention's indexer reads the query LoRA's output; "
+                          "found null")
+    if c.index_head_dim < c.qk_rope_head_dim or c.index_head_dim % 2:
+        raise ConfigError(f"index_head_dim: must be even and hold the {c.qk_rope_head_dim} rotated dims "
+                          f"(qk_rope_head_dim), found {c.index_head_dim}")
 
 
 def _validate_rope(r: RopeScaling):

@@ -1,7 +1,7 @@
-"""Basic Linen building blocks: RMSNorm, bias-free Linear ([out, in] like the checkpoints, or [in, out]
+"""Basic Linen building blocks: RMSNorm, LayerNorm, bias-free Linear ([out, in] like the checkpoints, or [in, out]
 in the decode layout), Embed.
 
-Every parameter is called `weight` and annotated with logical axis names, so a checkpoint tensor
+Every parameter is called `weight` (LayerNorm's shift `bias`) and annotated with logical axis names, so a checkpoint tensor
 `...q_a_proj.weight` is the parameter at path `(..., "q_a_proj", "weight")`.
 """
 
@@ -36,6 +36,26 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return weight * normed.astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, in float32 (PyTorch's
+    LayerNorm; the lightning indexer's k_norm)."""
+
+    features: int
+    eps: float = 1e-6
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                            (self.features,), self.dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+                          (self.features,), self.dtype)
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def projection_weight(module: nn.Module, out_features: int, in_features: int, axes: tuple[str, str], dtype,

@@ -14,8 +14,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxmtp import indexer
 from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
+from jaxmtp.indexer import Indexer
 from jaxmtp.layers import Dtype, Linear, RMSNorm, normal_init
 from jaxmtp.layout import CHECKPOINT, Layout, prefix_lengths, up_projections
 from jaxmtp.quant import as_dense
@@ -77,6 +79,8 @@ class MLA(nn.Module):
             self.kv_b_proj = lin(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), ("heads", "kv_lora"),
                                  CHECKPOINT)
         self.o_proj = lin(H * c.v_head_dim, D, ("embed", "heads"))
+        if c.has_indexer:
+            self.indexer = Indexer(c, self.dtype, self.layout)
 
     @property
     def query_width(self) -> int:
@@ -92,15 +96,25 @@ class MLA(nn.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: MLACache | None = None):
         q_input, kv_a = self.down_projections(x)
-        q_nope, q_pe = self.queries(q_input, positions)
+        q_resid = q_input if self.config.q_lora_rank is None else self.q_a_layernorm(q_input)
+        q_nope, q_pe = self.queries(q_resid, positions)
         c_kv, k_pe = self.compress(kv_a, positions)
+        index = None
+        if self.config.has_indexer:
+            with jax.named_scope("indexer"):
+                index = (*self.indexer.queries(x, q_resid, positions), self.indexer.keys(x, positions))
         # Absorbed queries have no per-head key part to expand with: every pass attends absorbed.
         attend = self.attend_absorbed if self.absorbed or self.layout.absorbed_queries else self.attend_expanded
         causal = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
         if cache is None:
+            if index is not None and x.shape[1] > self.config.index_topk:
+                causal &= self.select(index, index[2], causal)
             out = attend(q_nope, q_pe, c_kv, k_pe, causal)  # [B, T, H, V]
+        elif index is not None and cache.max_len > self.config.index_topk:
+            cache = cache.write(positions, c_kv, k_pe, index[2])
+            out = self.attend_sparse(attend, q_nope, q_pe, cache, positions, index)
         elif attend == self.attend_expanded or x.shape[1] > 1 or blockwise(1, cache.max_len):
-            cache = cache.write(positions, c_kv, k_pe)
+            cache = cache.write(positions, c_kv, k_pe, None if index is None else index[2])
             out = self.attend_cache(attend, q_nope, q_pe, cache, positions)
         else:
             # One row (a decode step, an MTP draft): attend over the slots before it and over its
@@ -113,19 +127,50 @@ class MLA(nn.Module):
             out = self.attend_cache(functools.partial(attend, own=(c_kv, k_pe, causal)), q_nope, q_pe, cache,
                                     positions - 1)
             after = (0 * out[:, :, 0, :1]).astype(c_kv.dtype)  # [B, 1, 1]
-            cache = cache.write(positions, c_kv + after, k_pe + after)
+            cache = cache.write(positions, c_kv + after, k_pe + after, None if index is None else index[2] + after)
         return self.o_proj(out.reshape(out.shape[:2] + (-1,))), cache
 
-    def attend_cache(self, attend, q_nope, q_pe, cache, positions):
+    def select(self, index, keys, visible):
+        """The keys [B, S, Di] that the indexer selects for each query among the visible ones
+        (visible [B, T, S]) -> mask [B, T, S]. index: (queries, weights, _) of Indexer."""
+        chosen = indexer.top_keys(self.config, indexer.scores(self.config, index[0], index[1], keys, visible))
+        return indexer.selected_mask(*chosen, keys.shape[1])
+
+    def attend_sparse(self, attend, q_nope, q_pe, cache, positions, index):
+        """DeepSeek Sparse Attention over a cache of more than index_topk slots: each query reads
+        the index_topk keys at or before its position that the indexer scores highest. A pass of
+        few queries (decode, verify, an MTP draft) gathers those keys and attends over them alone;
+        one whose queries together would gather more keys than the cache holds (a prefill chunk)
+        masks the others in the attention over the cache. -> [B, T, H, V]"""
+        c = self.config
+        visible = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        scores = indexer.scores(c, index[0], index[1], cache.index_k, visible)
+        b, t = positions.shape
+        if t * c.index_topk >= cache.max_len:
+            selected = indexer.selected_mask(*indexer.top_keys(c, scores), cache.max_len)
+            return self.attend_cache(attend, q_nope, q_pe, cache, positions, selected)
+        indices, chosen = indexer.top_keys(c, scores)  # [B, T, K]
+        gather = jax.vmap(lambda slots, rows: slots[rows])  # [S, W], [T, K] -> [T, K, W] per batch row
+        dtype = q_nope.dtype
+        keys = [gather(a, indices).astype(dtype).reshape((b * t, indices.shape[-1], -1)) for a in (cache.c_kv, cache.k_pe)]
+        rows = lambda a: a.reshape((b * t, 1) + a.shape[2:])  # noqa: E731  (each query its own batch row)
+        out = attend(rows(q_nope), rows(q_pe), *keys, chosen.reshape(b * t, 1, -1))
+        return out.reshape((b, t) + out.shape[2:])
+
+    def attend_cache(self, attend, q_nope, q_pe, cache, positions, selected=None):
         """`attend` over the cache: all its slots, or with `layout.prefix_attention` the shortest of
         its `prefix_lengths` that holds every query position (one lax.switch branch per prefix);
-        slots past a query's position are masked either way. -> [B, T, H, V]"""
+        slots past a query's position are masked either way, and so are those that `selected`
+        ([B, T, S], the indexer's choice) leaves out. -> [B, T, H, V]"""
         def over(length):
             def branch(q_nope, q_pe, c_kv, k_pe):
+                chosen = None if selected is None else selected[:, :, :length]
                 if blockwise(q_nope.shape[1], length):
                     absorbed = attend != self.attend_expanded
-                    return self.attend_blockwise(absorbed, q_nope, q_pe, c_kv[:, :length], k_pe[:, :length], positions)
+                    return self.attend_blockwise(absorbed, q_nope, q_pe, c_kv[:, :length], k_pe[:, :length], positions,
+                                                 chosen)
                 mask = jnp.arange(length)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+                mask = mask if chosen is None else mask & chosen
                 dtype = q_nope.dtype
                 return attend(q_nope, q_pe, c_kv[:, :length].astype(dtype), k_pe[:, :length].astype(dtype), mask)
             return branch
@@ -146,11 +191,11 @@ class MLA(nn.Module):
             return q_a, kv_a
         return (x if c.q_lora_rank is None else self.q_a_proj(x)), self.kv_a_proj_with_mqa(x)
 
-    def queries(self, q_input, positions):
-        """q_input from down_projections -> q_nope [B, T, H, N] (with layout.absorbed_queries
-        already times W_uk: [B, T, H, C]), q_pe [B, T, H, R] (rotated)."""
+    def queries(self, q_resid, positions):
+        """q_resid (the query LoRA's normed output, or x without one) -> q_nope [B, T, H, N] (with
+        layout.absorbed_queries already times W_uk: [B, T, H, C]), q_pe [B, T, H, R] (rotated)."""
         c = self.config
-        q = self.q_proj(q_input) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_input))
+        q = self.q_proj(q_resid) if c.q_lora_rank is None else self.q_b_proj(q_resid)
         q = q.reshape(q.shape[:2] + (c.num_attention_heads, self.query_width))
         q_nope, q_pe = jnp.split(q, [self.query_width - c.qk_rope_head_dim], axis=-1)
         return q_nope, apply_rope(q_pe, positions, c)
@@ -212,10 +257,10 @@ class MLA(nn.Module):
         q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
         return q_latent.transpose(1, 0, 2).reshape(b, t, h, -1)
 
-    def attend_blockwise(self, absorbed: bool, q_nope, q_pe, c_kv, k_pe, positions):
+    def attend_blockwise(self, absorbed: bool, q_nope, q_pe, c_kv, k_pe, positions, selected=None):
         """Attention over c_kv [B, S, C] / k_pe [B, S, R] a block of KEY_BLOCK keys at a time with an
         online softmax (a running maximum and sum per query and head), masked to key position <=
-        query position (positions [B, T]), so that no [T, S] score matrix of the whole cache is
+        query position (positions [B, T]) and to the `selected` keys [B, T, S] if given, so that no [T, S] score matrix of the whole cache is
         held: the absorbed form accumulates the latent [B, T, H, C] and applies W_uv once at the
         end; the expanded form expands each block's keys and values. Blocks past the largest query
         position are not visited. S is a multiple of KEY_BLOCK. -> [B, T, H, V]"""
@@ -240,6 +285,8 @@ class MLA(nn.Module):
                 subscripts = "bthk,bkhv->bthv"
             scores = (scores + jnp.einsum("bthr,bkr->bthk", q_pe, rope)).astype(jnp.float32) * self.config.softmax_scale
             visible = j * KEY_BLOCK + jnp.arange(KEY_BLOCK) <= positions[:, :, None]  # [B, T, K]
+            if selected is not None:
+                visible &= jax.lax.dynamic_slice_in_dim(selected, j * KEY_BLOCK, KEY_BLOCK, axis=2)
             scores = jnp.where(visible[:, :, None, :], scores, jnp.finfo(jnp.float32).min)
             new_top = jnp.maximum(top, scores.max(axis=-1))
             kept = jnp.exp(top - new_top)
@@ -248,7 +295,8 @@ class MLA(nn.Module):
                                                      preferred_element_type=jnp.float32)
             return new_top, total * kept + probs.sum(axis=-1), acc
 
-        # Block 0 holds position 0, which every query sees, so the running maximum is real from it on.
+        # A block with no visible key adds weights of exp(0) at a running maximum of finfo.min, which
+        # the first block with one (every query sees at least one key) multiplies by exp(-inf) = 0.
         start = (jnp.full((b, t, h), jnp.finfo(jnp.float32).min), jnp.zeros((b, t, h)), jnp.zeros((b, t, h, width)))
         blocks = jnp.minimum(positions.max() // KEY_BLOCK + 1, c_kv.shape[1] // KEY_BLOCK)
         _, total, acc = jax.lax.fori_loop(0, blocks, block, start)

@@ -84,7 +84,7 @@ def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, m
               if isinstance(w, QuantizedWeight))
     layers = config.num_hidden_layers + config.num_nextn_predict_layers
     rows_per_device = batch // data if batch % data == 0 else batch
-    cache_bytes = layers * rows_per_device * static.cache_len * config.cache_width * jnp.dtype(dtype).itemsize
+    cache_bytes = layers * rows_per_device * static.cache_len * config.cached_per_token * jnp.dtype(dtype).itemsize
     start = time.perf_counter()
     with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as dump:
         compiled = _generation.lower(static, *args).compile(compiler_options={"xla_dump_to": dump,

@@ -20,10 +20,11 @@ import numpy as np
 
 from pallas_kernels import act_quant, backend, fp8_block_matmul, fp8_grouped_matmul
 
-# Parameters stored in FP8 by the published checkpoints: every attention and FFN projection.
-# Embeddings, the head, norms, the router and eh_proj stay in high precision.
+# Parameters stored in FP8 by the published checkpoints: every attention and FFN projection, and
+# DeepSeek-V3.2's indexer query and key projections. Embeddings, the head, norms, the router,
+# eh_proj and the indexer's head weights (weights_proj) stay in high precision.
 QUANTIZED_MODULES = frozenset({"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                               "gate_proj", "up_proj", "down_proj"})
+                               "gate_proj", "up_proj", "down_proj", "wq_b", "wk"})
 
 
 def is_quantized_param(path: tuple[str, ...]) -> bool:

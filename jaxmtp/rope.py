@@ -54,12 +54,15 @@ def _correction_range(beta_fast, beta_slow, dim, base, original_len, truncate):
     return max(low, 0), min(high, dim - 1)
 
 
-def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, config: ModelConfig) -> jnp.ndarray:
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, config: ModelConfig,
+               interleave: bool | None = None) -> jnp.ndarray:
     """Rotates the last dim of x by its positions.
 
     Args:
       x: [B, T, ..., R] with R = qk_rope_head_dim (any number of head dims after T).
       positions: [B, T] absolute 0-based token positions.
+      interleave: pairs (x[2i], x[2i+1]) or halves (x[i], x[i + R/2]); default config.rope_interleave
+        (the lightning indexer always rotates halves).
     Returns:
       x rotated, same shape and dtype, same pair layout.
     """
@@ -68,7 +71,7 @@ def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, config: ModelConfig) -> j
     scale = attention_factor(config)
     cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
     half = x.shape[-1] // 2
-    if config.rope_interleave:
+    if config.rope_interleave if interleave is None else interleave:
         pairs = x.astype(jnp.float32).reshape(x.shape[:-1] + (half, 2))
         a, b = pairs[..., 0], pairs[..., 1]
         out = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x.shape)

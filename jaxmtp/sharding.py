@@ -76,6 +76,17 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec("data", *([None] * (ndim - 1))))
 
 
+def over_data_rows(fn, *arrays):
+    """fn(*arrays) computed by each device for its own rows (the leading axis of every array and of
+    the result) where the context mesh's `data` axis divides them, in shard_map; else as it is.
+    For operations that XLA's partitioner runs on the whole batch on every device (top_k)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    data = 0 if mesh.empty else mesh.shape.get("data", 1)
+    if data <= 1 or arrays[0].shape[0] % data:
+        return fn(*arrays)
+    return jax.shard_map(fn, mesh=mesh, in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data"))(*arrays)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

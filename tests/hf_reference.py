@@ -6,7 +6,7 @@ import os
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM
 from transformers.modeling_layers import MtpModel
 
 BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=4,
@@ -32,6 +32,23 @@ CONFIGS = {
 }
 
 
+# DeepSeek-V3.2 (lightning indexer + top-k sparse attention): index_topk far below the test prompts'
+# lengths, so that the selection decides which keys every pass attends to; 12-16 indexer heads, so
+# that ties at the k-th score (keys whose every head's dot product is negative score exactly 0)
+# are rare. Corners: YaRN with groups; the default RoPE with one group; YaRN's attention_factor
+# with more experts and no dense layer.
+V32_CONFIGS = {
+    "v32_yarn_groups": dict(BASE, rope_parameters=YARN, index_n_heads=16, index_head_dim=16, index_topk=6),
+    "v32_default_rope": dict(BASE, norm_topk_prob=False, first_k_dense_replace=1, n_group=1, topk_group=1,
+                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                             index_n_heads=12, index_head_dim=32, index_topk=11),
+    "v32_attention_factor": dict(BASE, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
+                                 first_k_dense_replace=0, num_hidden_layers=3, index_n_heads=16, index_head_dim=8,
+                                 index_topk=3, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                "factor": 8.0, "original_max_position_embeddings": 32}),
+}
+
+
 def randomize(module: torch.nn.Module, seed: int):
     """Replaces HF's tiny init with O(1)-scale random weights so every path matters numerically;
     norms near 1 and a routing bias large enough to change which experts and groups win."""
@@ -50,11 +67,18 @@ def randomize(module: torch.nn.Module, seed: int):
 
 
 def build(name: str, seed: int = 0):
-    """-> (HF main model, HF MtpModel or None), float32, eval mode, random weights."""
+    """-> (HF main model, HF MtpModel or None), float32, eval mode, random weights. Names from
+    CONFIGS build DeepseekV3ForCausalLM, from V32_CONFIGS DeepseekV32ForCausalLM."""
     torch.manual_seed(seed)
-    config = DeepseekV3Config(**CONFIGS[name])
+    if name in V32_CONFIGS:
+        config = DeepseekV32Config(**V32_CONFIGS[name])
+        # HF's V3.2 config names no MTP layer; these let the generic MtpModel build one of its layers.
+        config.num_mtp_layers, config.mtp_layer_types, config.mtp_mlp_layer_types = 1, ["full_attention"], ["sparse"]
+        model_class = DeepseekV32ForCausalLM
+    else:
+        config, model_class = DeepseekV3Config(**CONFIGS[name]), DeepseekV3ForCausalLM
     config._attn_implementation = "eager"
-    main = DeepseekV3ForCausalLM(config).eval()
+    main = model_class(config).eval()
     randomize(main, seed)
     mtp = None
     if config.num_nextn_predict_layers:
@@ -108,7 +132,8 @@ FP8_CONFIG = dict(BASE, hidden_size=160, intermediate_size=200, moe_intermediate
                   v_head_dim=16, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
                   num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0, rope_parameters=YARN)
 FP8_SUFFIXES = tuple(f"{m}.weight" for m in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                                             "o_proj", "gate_proj", "up_proj", "down_proj"))
+                                             "o_proj", "gate_proj", "up_proj", "down_proj", "indexer.wq_b",
+                                             "indexer.wk"))
 
 
 def quantize_blocks(w: np.ndarray, block: int = 128):

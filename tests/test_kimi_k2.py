@@ -31,8 +31,8 @@ def test_published_config_loads_and_counts_about_a_trillion():
 
 def test_other_model_types_are_refused_with_the_supported_ones():
     raw = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json").to_hf_config()
-    for model_type in ("deepseek_v32", "llama", None):
-        with pytest.raises(ConfigError, match=r"model_type: expected one of 'deepseek_v3', 'kimi_k2'"):
+    for model_type in ("deepseek_v2", "llama", None):
+        with pytest.raises(ConfigError, match=r"model_type: expected one of 'deepseek_v3', 'kimi_k2', 'deepseek_v32'"):
             jaxmtp.ModelConfig.from_hf_config(dict(raw, model_type=model_type))
 
 

@@ -20,6 +20,9 @@ VOCAB = 8
 # One dense main layer (the MTP layer has the MoE): the exactness is per token, and 20,480 rows of a
 # MoE layer's prefill made each call 1.5x dearer.
 CONFIG = gm.TINY.replace(vocab_size=VOCAB, num_hidden_layers=1)
+# The same with DeepSeek Sparse Attention reading 3 keys per query: from the third generated token on,
+# the prompt and drafts are more than that, so the indexer's choice shapes every distribution.
+V32 = CONFIG.replace(model_type="deepseek_v32", index_n_heads=16, index_head_dim=16, index_topk=3)
 PROMPT = [3, 1, 4, 1, 5]
 SAMPLES = 20_480
 NEW = 3
@@ -68,14 +71,15 @@ def chi_square_p_value(counts, expected):
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("k, temperature, top_k, top_p", [
-    (0, 1.0, 0, 1.0),   # plain sampling, the baseline the speculative runs must match
-    ("auto", 1.0, 0, 1.0),  # the auto loop at k = 2: its segment first re-drafts d1 from the prompt's slots
-    (2, 1.0, 3, 1.0),   # the loop at a fixed k = 2; top-k
-    (1, 0.8, 0, 0.8),   # k = 1 reaches the bonus token within three tokens; top-p
-])
-def test_first_three_tokens_follow_the_model(k, temperature, top_k, top_p):
-    model = gm.model("partial", CONFIG, head_scale=0.25)
+@pytest.mark.parametrize("k, temperature, top_k, top_p, config", [
+    (0, 1.0, 0, 1.0, CONFIG),   # plain sampling, the baseline the speculative runs must match
+    ("auto", 1.0, 0, 1.0, CONFIG),  # the auto loop at k = 2: its segment first re-drafts d1 from the prompt's slots
+    (2, 1.0, 3, 1.0, CONFIG),   # the loop at a fixed k = 2; top-k
+    (1, 0.8, 0, 0.8, CONFIG),   # k = 1 reaches the bonus token within three tokens; top-p
+    (2, 1.0, 0, 1.0, V32),      # DeepSeek-V3.2's sparse attention in the prefill, drafts and verify passes
+], ids=["plain", "auto", "k2_top_k", "k1_top_p", "v32_k2"])
+def test_first_three_tokens_follow_the_model(k, temperature, top_k, top_p, config):
+    model = gm.model("partial", config, head_scale=0.25)
     sampling = dict(max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, seed=17)
     if k == "auto":  # every round at k = 2 (calibrating costs for this batch would take longer than the test)
         prepared = prepare(model, [PROMPT] * SAMPLES, speculative_k="auto", **sampling)

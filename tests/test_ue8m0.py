@@ -10,28 +10,12 @@ import numpy as np
 import pytest
 
 import generation_models as gm
+from deepseek_reference import numpy_ue8m0_act_quant
 import jaxmtp
 from jaxmtp.config import QuantizationConfig
 from jaxmtp.errors import ConfigError
 from jaxmtp.quant import QuantizedWeight, linear, quantize_params
 from pallas_kernels import act_quant, act_quant_reference
-
-
-def numpy_ue8m0_act_quant(x):
-    """Written from DeepSeek's kernel: per 128 channels amax (at least 1e-4) times the float32
-    1 / 448; the scale is 2 ** (its exponent + 1 if any mantissa bit is set); values x / scale
-    clamped to +-448, cast to e4m3."""
-    k = x.shape[-1]
-    blocks = -(-k // 128)
-    padded = np.zeros(x.shape[:-1] + (blocks * 128,), np.float32)
-    padded[..., :k] = x
-    g = padded.reshape(x.shape[:-1] + (blocks, 128))
-    t = np.maximum(np.abs(g).max(-1), np.float32(1e-4)).astype(np.float32) * np.float32(1 / 448)
-    bits = t.astype(np.float32).view(np.uint32)
-    exponent = ((bits >> 23) & 0xFF).astype(np.int64) - 127 + ((bits & 0x7FFFFF) != 0)
-    scale = np.ldexp(np.float32(1), exponent).astype(np.float32)
-    q = np.clip(g / scale[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
-    return q.reshape(padded.shape)[..., :k], scale
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
