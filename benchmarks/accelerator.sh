@@ -1,40 +1,41 @@
 #!/usr/bin/env bash
 # The figures that need a GPU or TPU, in one short run from the repository root:
-#   1. `jaxmtp bench`: plain vs speculative k = 1..4 and auto on the demo model (JSON: tokens/s
-#      with and without the prefill, round costs in plain steps, ideal and achieved speedups),
-#   2. benchmarks/fp8_gemm.py: the compiled FP8 kernels on DeepGEMM's shapes, with their error
-#      against the jnp reference (JSON),
-#   3. tests/test_fp8_gemm.py, whose random tests then run the compiled kernels,
-#   4. benchmarks/fp8_accuracy.py: the FP8 demo model (W8A8 kernels) vs its dequantized self,
-#   5. `jaxmtp generate` with the defaults (speculative_k="auto"), as a user runs it,
-#   6. benchmarks/decode_step.py: the main forward and the MTP pass at 1..5 rows, and the round
-#      cost at each k they give; decode_step_wide: the same for the widened random-weight dense
-#      and MoE configs in benchmarks/configs (1.1-1.2 GiB of float32 weights, memory-bound),
-#      decode_step_experts: the demo with one conditional per routed expert, the arrangement the
-#      decode layout picks on CPUs only (XLA:GPU fetches each conditional's predicate to the host),
-#      to compare with decode_step's stacked experts,
-#   7. the same at the default matmul precision (TF32 on GPUs): does the cost of 2+ rows come from
-#      the full-precision float32 GEMM algorithm?
-#   8. the same at 1 and 4 rows with XLA's optimized HLO written to OUT_DIR/hlo: which kernels a
-#      4-row step runs that a 1-row step does not,
-#   9. benchmarks/row_products.py: one product pair at 1..5 rows at the demo's widths (what a
-#      multi-row kernel costs against a 1-row one, apart from how many the step runs),
-#  10. benchmarks/auto_switch.py: the acceptance of auto's speculative rounds after its plain
-#      rounds and after speculative ones (what the MTP cache's missing positions cost),
-#  11. benchmarks/auto_k0.py: a round of the auto loop at k = 0 against a plain step (auto runs
-#      its own loop whatever the acceptance; XLA:GPU reads its loop conditions on the host),
-#  12. benchmarks/plan_on_device.py: DeepSeek-V3 671B widths with 4 layers, FP8 weights: the CPU's
-#      `jaxmtp plan` prediction, XLA's analysis on the device, and the device's measured peak.
+#   1. bench: `jaxmtp bench`, plain vs speculative k = 1..4 and auto on the demo model (JSON:
+#      tokens/s with and without the prefill, round costs in plain steps, ideal and achieved
+#      speedups),
+#   2. fp8_gemm: benchmarks/fp8_gemm.py, the compiled FP8 kernels on DeepGEMM's shapes, with their
+#      error against the jnp reference (JSON),
+#   3. fp8_kernels: tests/test_fp8_gemm.py, whose random tests then run the compiled kernels,
+#   4. fp8_accuracy: benchmarks/fp8_accuracy.py, the FP8 demo model (W8A8 kernels) vs its
+#      dequantized self,
+#   5. generate: `jaxmtp generate` with the defaults (speculative_k="auto"), as a user runs it,
+#   6. decode_step: benchmarks/decode_step.py, the main forward and the MTP pass at 1..5 rows, and
+#      the round cost at each k they give; decode_step_experts: the demo with one conditional per
+#      routed expert, the arrangement the decode layout picks on CPUs only (XLA:GPU fetches each
+#      conditional's predicate to the host), to compare with decode_step's stacked experts;
+#      decode_step_wide: the widened random-weight dense and MoE configs in benchmarks/configs
+#      (1.1-1.2 GiB of float32 weights, memory-bound),
+#   7. decode_step_tf32: decode_step at the default matmul precision (TF32 on GPUs): does the cost
+#      of 2+ rows come from the full-precision float32 GEMM algorithm?
+#   8. hlo: decode_step at 1 and 4 rows with XLA's optimized HLO written to OUT_DIR/hlo: which
+#      kernels a 4-row step runs that a 1-row step does not,
+#   9. auto_k0: benchmarks/auto_k0.py, a round of the auto loop at k = 0 against a plain step
+#      (auto runs its own loop whatever the acceptance; XLA:GPU reads its loop conditions on the
+#      host),
+#  10. plan_device: benchmarks/plan_on_device.py, DeepSeek-V3 671B widths with 4 layers, FP8
+#      weights: the CPU's `jaxmtp plan` prediction, XLA's analysis on the device, and the device's
+#      measured peak.
 # Each step has its own time limit and log (OUT_DIR/<step>.log); a failing step does not stop the
 # others. PROMPTS_FILE holds bench prompts as token ids ("1,2;3,4"), so that the figures compare
 # with a run elsewhere (the held-out prompts otherwise come from this machine's Python sources).
-# float32 matmuls run at full precision (no TF32) in 1, 4 and 6 (1 and 4 compare
-# numerics; 6 then times the arithmetic that 1 runs).
+# float32 matmuls run at full precision (no TF32) in bench, fp8_accuracy and the decode_step steps
+# but decode_step_tf32 (bench and fp8_accuracy compare numerics; decode_step then times the
+# arithmetic that bench runs).
 #
 # STEPS (names, space-separated) runs only those steps. The step limits add up to more than one
 # 10-minute device call; the decode-engine figures are
 #   STEPS="bench generate decode_step decode_step_experts decode_step_wide hlo" (at most 570 s),
-# and auto_k0 (60 s), row_products (30 s) and auto_switch (60 s) when time is left.
+# and auto_k0 (60 s) when time is left.
 #
 #   [STEPS="bench decode_step"] bash benchmarks/accelerator.sh OUT_DIR [PROMPTS_FILE]
 set -u
@@ -72,8 +73,6 @@ step decode_step_tf32 90 $py benchmarks/decode_step.py
 step hlo 90 bash -c 'JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="--xla_dump_to=$1 --xla_dump_hlo_as_text \
   --xla_dump_hlo_module_re=main_loop" "$0" benchmarks/decode_step.py --rows 1,4 --calls 20 &&
   find "$1" -mindepth 1 ! -name "*after_optimizations.txt" -delete' "$py" "$out/hlo"
-step row_products 30 env JAX_DEFAULT_MATMUL_PRECISION=highest $py benchmarks/row_products.py --repeats 5
-step auto_switch 60 $py benchmarks/auto_switch.py
 step auto_k0 60 $py benchmarks/auto_k0.py --pairs 9
 step plan_device 240 bash -c 'JAX_PLATFORMS=cpu "$0" benchmarks/plan_on_device.py --matmul fp8 --plan-only &&
   "$0" benchmarks/plan_on_device.py --matmul fp8 --json "$1"' "$py" "$out/plan_device.json"

@@ -3,52 +3,48 @@ jitted `fori_loop` of `--calls` calls with the cache carried (so dispatch is exc
 
 A speculative round with k drafts runs the main forward at T = k + 1, the MTP layer k - 1 times at
 T = 1 and once at T = k + 1 (the repair pass); plain decoding runs the main forward at T = 1. These
-figures therefore bound the speedup a given acceptance can give on this machine.
+figures therefore bound the speedup a given acceptance can give on the machine that runs them.
 
     python benchmarks/decode_step.py [--model DIR | --config CONFIG_JSON] [--calls 200] [--rows 1,2,3,4,5]
                                      [--cache-len 128] [--start 40] [--tokens fixed|varied]
                                      [--positions fixed|advancing]
                                      [--experts decode|split|stacked]
                                      [--prefix-attention decode|on|off]
-    python benchmarks/decode_step.py --base 479f24b [--rows 1,4] [--calls 100] [--pairs 21] [model options]
-
---base REV times this tree's main forward against that commit's instead (each engine in the layout
-it picks, in its own worker process, --pairs turns each, alternating) and prints each figure's
-per-pair ratio to the base's step at the fewest rows: the comparison that a machine whose speed drifts from one minute to the
-next still answers (runs of the two engines minutes apart can differ 2x on a shared machine).
 
 --config times a model of that architecture with random weights (seed 0): how the cost of extra rows
 depends on a model's size and shape (e.g. weights too big for the CPU's caches, dense or MoE).
 The rows of a call carry different tokens, so that they route to different experts as text does;
 with --tokens varied every call also feeds new ones, and with --positions advancing every call writes
 and reads the cache at positions one further on, as generation does (see step_loops).
-With PYTHONPATH pointing at an earlier checkout, the same loops time that checkout's engine.
 --experts forces the routed experts' arrangement of the decode layout (one conditional per expert,
 or the stack that few tokens gather from) instead of the one it picks for this platform, and
 --prefix-attention whether attention reads only a prefix of the cache (--start: the position of
 each call's first row, --cache-len: the slots).
+
+The loops here are shared: tools/decode_compare.py times this tree's main forward against an
+earlier commit's with them, tools/step_profile.py traces them, benchmarks/sparse_attention.py
+times V3 against V3.2 with them.
 """
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxmtp
 from jaxmtp.cache import MLACache
+# The fallbacks import an older engine's names, so that tools/decode_compare.py (and PYTHONPATH
+# pointing at an older checkout) can time that engine with these same loops.
 try:
     from jaxmtp.decoding import Static, empty_caches, main_forward, mtp_step
-except ImportError:  # an earlier engine (measuring a base tree), which named them so
+except ImportError:  # engines before jaxmtp.decoding kept the loop's pieces in jaxmtp.generation
     from jaxmtp.generation import Static, _empty_caches as empty_caches, _main as main_forward, _mtp as mtp_step
 try:
     from jaxmtp.params import parameter_counts
-except ImportError:  # the engine of 479f24b kept it in jaxmtp.model
+except ImportError:  # engines before jaxmtp.params kept it in jaxmtp.model
     from jaxmtp.model import parameter_counts
 from jaxmtp.sampling import SamplingMode
-from alternate import ROOT, ask, checkout, serve, start_worker, stop
 from timing import median_seconds
 
 
@@ -101,7 +97,7 @@ def step_loops(static, rows, calls, start=40, tokens="fixed", positions="fixed")
 
 
 def add_model_arguments(parser):
-    """The model and the cache: what both this script and step_profile.py time."""
+    """The model and the cache: what this script, tools/step_profile.py and tools/decode_compare.py time."""
     parser.add_argument("--model", default=jaxmtp.DEMO_MODEL)
     parser.add_argument("--config", help="an HF config.json: random weights of that architecture instead of --model")
     parser.add_argument("--cache-len", type=int, default=128, help="cache slots (the bucket a generation would use)")
@@ -137,58 +133,8 @@ def decoding_model(args):
 def plain_static(model, cache_len):
     """The decoding loop's static configuration for plain greedy steps over `cache_len` slots."""
     fields = dict(config=model.config, dtype=model.dtype, k=0, mode=SamplingMode.of(0.0, 0, 1.0), cache_len=cache_len,
-                  layout=getattr(model, "layout", None))  # an earlier engine's Static has no layout
+                  layout=getattr(model, "layout", None))  # an older engine's Static has no layout
     return Static(**{name: value for name, value in fields.items() if name in Static.__dataclass_fields__})
-
-
-def worker(args):
-    """Compiles the main loop at each of --rows, then times one run of each per request."""
-    model = decoding_model(args)
-    static = plain_static(model, args.cache_len)
-    loops = {}
-    for rows in (int(r) for r in args.rows.split(",")):
-        loop = jax.jit(step_loops(static, rows, args.calls, args.start, args.tokens, args.positions)[0])
-        loops[rows] = (loop, (model.params, empty_caches(static, 1)))
-        jax.block_until_ready(loop(*loops[rows][1]))
-
-    def answer(_):
-        micros = {}
-        for rows, (loop, loop_args) in loops.items():
-            start = time.perf_counter()
-            jax.block_until_ready(loop(*loop_args))
-            micros[rows] = (time.perf_counter() - start) / args.calls * 1e6
-        return micros
-
-    serve(answer)
-
-
-def compare(args):
-    """This tree's main forward against --base's, alternating; ratios per pair of runs."""
-    forwarded = ["--model", args.model, "--rows", args.rows, "--calls", str(args.calls), "--cache-len",
-                 str(args.cache_len), "--start", str(args.start), "--tokens", args.tokens,
-                 "--positions", args.positions]
-    forwarded += ["--config", args.config] if args.config else []
-    with checkout(args.base) as base_tree:
-        engines = {"base": start_worker(__file__, base_tree, forwarded), "this": start_worker(__file__, ROOT, forwarded)}
-        runs = {name: [] for name in engines}
-        for _ in range(args.pairs):
-            for name, proc in engines.items():
-                runs[name].append(ask(proc, "run"))
-        stop(engines.values())
-    rows = sorted(args.rows.split(","), key=int)  # as JSON keys
-    unit = [run[rows[0]] for run in runs["base"]]
-    print(f"main forward, us per call (median of {args.pairs} alternating runs of {args.calls} calls); ratios: "
-          f"median [quartiles] over the pairs of runs; unit = {args.base}'s T={rows[0]} step")
-    for t in rows:
-        this, base = ([run[t] for run in runs[name]] for name in ("this", "base"))
-        print(f"T={t}: {args.base} {statistics.median(base):8.1f}   this {statistics.median(this):8.1f}   "
-              f"this / {args.base} T={t} {_spread([a / b for a, b in zip(this, base)])}   "
-              f"this / unit {_spread([a / u for a, u in zip(this, unit)])}")
-
-
-def _spread(ratios):
-    q = statistics.quantiles(ratios, n=4)
-    return f"{statistics.median(ratios):.3f} [{q[0]:.3f}-{q[2]:.3f}]"
 
 
 def main():
@@ -196,14 +142,7 @@ def main():
     add_model_arguments(parser)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rows", default="1,2,3,4,5")
-    parser.add_argument("--base", help="an earlier commit: time this tree's main forward against it, alternating")
-    parser.add_argument("--pairs", type=int, default=21)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        return worker(args)
-    if args.base:
-        return compare(args)
     model = decoding_model(args)
     counts = parameter_counts(model.config)
     parameters = counts["main"] + counts["mtp_unique"]

@@ -6,9 +6,9 @@ run on command, alternately, so that drifts of a shared machine hit both alike. 
 the median tokens/s of each engine over --repeats runs, total (with each prompt's prefill) and
 decode only (the prefill timed apart with max_new_tokens=1 and subtracted), and the ratio.
 --forced times the loop of speculative_k="auto" with every round at each of --ks instead (both
-trees need `Prepared.forced`, so a base from dc1de13 on).
+trees need `Prepared.forced`).
 
-    python benchmarks/engine_compare.py [--base 479f24b] [--ks 0,2] [--repeats 7] [--prompts 8] [--forced]
+    python tools/engine_compare.py [--base REV] [--ks 0,2] [--repeats 7] [--prompts 8] [--forced]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
                 jax.block_until_ready(prepared.run(prepared.limited(1)))  # compiles, once per bucket
                 runs.append((run, lambda state: int(state.count[0])))
             return runs
-        runs, cache = [], {}  # an earlier engine: one jitted function over positional arguments
+        runs, cache = [], {}  # an engine before `Prepared.run`: one jitted function over positional arguments
         for p in prompts:
             prepared = generation.prepare(model, [p], new, speculative_k=k)
             signature = (prepared.static, prepared.args[1].shape)  # one compile per bucket
@@ -78,7 +78,7 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", default="479f24b", help="the earlier commit")
+    parser.add_argument("--base", default="HEAD", help="the commit to compare with (HEAD: the uncommitted changes)")
     parser.add_argument("--ks", default="0")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--prompts", type=int, default=8)

@@ -3,19 +3,19 @@
 Loads the demo model, compiles the auto loop and the plain loop for one prompt's buckets (not
 timed), then calibrates --repeats times, each with an empty JAXMTP_CACHE_DIR (as on a new
 machine); prints each calibration's seconds and round costs (k = 0..4, in plain steps) and the
-medians. With --tree, the jaxmtp of another checkout is measured (for before/after: run it once
-on each tree, alternately).
+medians. With --tree, the jaxmtp of another checkout is measured (to compare two trees, run it
+once on each, alternately).
 
 With --windows N, the calibration's runs themselves: N repeats of the plain loop before and after
 each k (P 0 P 1 ... P 4 P), their raw times kept; then, over every window of consecutive repeats,
 the cost of k = 1 as the calibration takes it (the median of its time over the mean of the plain
-runs beside it, windows of 7) and as it was taken before (over the first plain run of the repeat,
-windows of 5): the range and the standard deviation over the windows. --competing runs a process
-beside it that is busy for 0.05-0.6 s, then idle for 0.1-1 s, over and over (a shared machine's
-slower spells).
+runs beside it, windows of 7) and as a simpler rule would take it (over the first plain run of
+the repeat, windows of 5 and 7): the range and the standard deviation over the windows.
+--competing runs a process beside it that is busy for 0.05-0.6 s, then idle for 0.1-1 s, over and
+over (a shared machine's slower spells).
 
-    python benchmarks/calibration.py [--repeats 5] [--tree DIR]
-    python benchmarks/calibration.py --windows 60 [--competing]
+    python tools/calibration.py [--repeats 5] [--tree DIR]
+    python tools/calibration.py --windows 60 [--competing]
 """
 
 from __future__ import annotations

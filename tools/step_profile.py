@@ -1,5 +1,5 @@
 """Which kernels one decode step runs, and how long each kind takes, at T rows: the main forward
-of `decode_step.py`'s loop, traced by jax.profiler.
+of `benchmarks/decode_step.py`'s loop, traced by jax.profiler.
 
 XLA's CPU runtime records one event per kernel (thunk) it runs; the events are grouped by kind
 (the HLO name without its number: `dot`, `ynn_fusion`, `copy_bitcast_fusion`, ...) and printed per
@@ -7,9 +7,9 @@ call: how many ran and their total microseconds. Conditionals (`cond...`) and lo
 kernels and are left out of the sums. Tracing adds a little to every kernel, so the times read
 high; the counts are exact.
 
-    python benchmarks/step_profile.py [--rows 1,4] [--calls 50] [--top 12] [decode_step.py's model options:
-                                      --model/--config, --cache-len, --start, --tokens, --positions,
-                                      --prefix-attention, --experts]
+    python tools/step_profile.py [--rows 1,4] [--calls 50] [--top 12] [decode_step.py's model options:
+                                 --model/--config, --cache-len, --start, --tokens, --positions,
+                                 --prefix-attention, --experts]
 """
 
 import argparse
@@ -17,13 +17,16 @@ import collections
 import glob
 import gzip
 import json
+import os
 import re
+import sys
 import tempfile
 
-import jax
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from decode_step import add_model_arguments, decoding_model, plain_static, step_loops
-from jaxmtp.decoding import empty_caches
+import jax  # noqa: E402
+
+from decode_step import add_model_arguments, decoding_model, empty_caches, plain_static, step_loops  # noqa: E402
 
 CONTAINERS = ("cond", "while", "end:")  # events that hold other kernels' events
 
