@@ -8,21 +8,20 @@ E_k / cost[k]. Each c_i is the mean of a Beta posterior over the rounds in which
 tried: a prior worth PRIOR_ROUNDS rounds at PRIOR_ACCEPTANCE, plus the counts of the running call,
 which decay by DECAY per round at k > 0 so that the estimate follows acceptance as the text
 changes, and by IDLE_DECAY per round at k = 0, which measures nothing: an MTP layer that is
-rarely right is tried again after some hundred rounds, not every few dozen (with DECAY there too,
-a demo-sized model whose drafts were never accepted ran a segment at k = 1 every 35 rounds or so,
-0.90x of plain decoding over 256 tokens; with IDLE_DECAY 0.94x: `python benchmarks/useless_mtp.py`).
+rarely right is tried again after some hundred rounds, not every few dozen, so that drafts that are
+never accepted cost little against plain decoding (benchmarks/useless_mtp.py).
 
 Every round is an exact verification whatever its k, so switching k keeps greedy output identical
 to plain decoding and sampled output exactly distributed. Rounds at k = 0 draft nothing, measure
 nothing and leave the MTP cache as it is; once decay has brought the counts back towards the
 prior the rule tries drafting again. A segment at k > 0 after one at k = 0 first runs the MTP
-layer over the last AUTO_SEGMENT positions (`decoding._refill`), which writes their MTP slots (the
-segment at k = 0 left them empty) and drafts d1 from the newest one; positions further back that
+layer over the last AUTO_SEGMENT positions (`decoding._refill`), which writes their MTP slots (a
+segment at k = 0 does not write them) and drafts d1 from the newest one; positions further back that
 plain rounds decoded stay empty, so the drafts that attend to them may be accepted less often.
 Where no k > 0 pays, the loop runs at k = 0, whose rounds cost about a step of the plain decoding
-loop (0.92-1.09 of one for the demo, jaxmtp.calibration), so auto runs its own loop whatever the
-acceptance. What such a model still pays is the exploring: a call starts from the prior, and its
-first segment of AUTO_SEGMENT rounds runs at k = 1 wherever the prior says some k > 0 pays. The
+loop (benchmarks/auto_k0.py), so auto runs its own loop whatever the acceptance. What such a
+model still pays is the exploring: a call starts from the prior, and its first segment of
+AUTO_SEGMENT rounds runs at k = 1 wherever the prior says some k > 0 pays. The
 loop raises k by at most one per segment (jaxmtp.decoding._rounds), so a first segment, and a
 segment after rounds at k = 0, tries k = 1 whatever k the prior would pay best.
 """
@@ -73,3 +72,21 @@ def expected_tokens(conditional: jax.Array) -> jax.Array:
 def best_k(counts: AcceptanceCounts, costs: jax.Array) -> jax.Array:
     """The k in 0..k_max with the most expected tokens per plain step. costs [k_max + 1] -> int32."""
     return jnp.argmax(expected_tokens(counts.conditional()) / costs).astype(jnp.int32)
+
+
+def drafting_pays(costs) -> bool:
+    """Whether at the prior's acceptance some k > 0 yields more tokens per plain step than plain
+    decoding does (costs [k_max + 1] in plain steps). Where none does, the auto loop would never
+    draft (its counts stay at the prior), so `generate` runs the plain loop instead."""
+    expected = expected_tokens(AcceptanceCounts.zeros(len(costs) - 1).conditional())
+    return bool(jnp.max(expected[1:] / jnp.asarray(costs[1:], jnp.float32)) > 1.0)
+
+
+def plain_reason(costs) -> str:
+    """Why auto decodes plainly at these round costs [k_max + 1] (plain steps), in words."""
+    expected = expected_tokens(AcceptanceCounts.zeros(len(costs) - 1).conditional())
+    ks = range(1, len(costs))
+    return (f"a round drafting k = {', '.join(map(str, ks))} costs "
+            f"{', '.join(f'{costs[k]:.2f}' for k in ks)} plain steps on this machine, and yields "
+            f"{', '.join(f'{float(expected[k]):.2f}' for k in ks)} tokens at the prior acceptance of "
+            f"{PRIOR_ACCEPTANCE:.0%}, so no k pays")

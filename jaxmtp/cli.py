@@ -386,11 +386,19 @@ def _generate(args):
 
 
 def _report(out, config, run_s, first_s, compile_s):
+    from jaxmtp.adaptive import plain_reason
+
     new = sum(len(t) for t in out.tokens)
     s = out.stats
     print(f"{new} new tokens in {run_s:.3f} s: {new / run_s:.1f} tokens/s, the first after {1000 * first_s:.0f} ms "
           f"(compile {compile_s:.1f} s, not included)")
-    if config.speculative_k:
+    if s.chose_plain:
+        print(f"speculative_k=auto decoded plainly: {plain_reason(s.round_costs)}. `jaxmtp bench` measures each k "
+              "against plain decoding here.")
+    elif config.speculative_k and not s.draft_tokens:
+        print("speculative_k=auto drafted nothing in this run: its rounds at k = 0 are plain decoding steps. "
+              "`jaxmtp bench` measures each k against plain decoding here.")
+    elif config.speculative_k:
         per_position = ", ".join(f"{a:.2f}" for a in s.per_position_acceptance)
         by_k = ", ".join(f"k={k}: {n}" for k, n in s.rounds_by_k.items())
         print(f"k={config.speculative_k}: acceptance rate {s.acceptance_rate:.3f}, mean accepted length "
@@ -412,6 +420,9 @@ def _plan(args):
     from jaxmtp.plan import DEVICE_NAMES, DEVICES, fit, fit_report, plan, report, total_bytes
 
     config = _config(args.config)
+    if args.k and not config.has_mtp:
+        raise UsageError(f"--k {args.k}: --config {args.config} has no MTP layer (num_nextn_predict_layers = 0); "
+                         "plan its plain decoding with --k 0")
     if args.fit:
         if args.prompt_len:
             raise UsageError("--fit searches caches with prompts as long as they are; --prompt-len does not apply")

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp import calibration, checks, compile_cache, streaming
+from jaxmtp import adaptive, calibration, checks, compile_cache, streaming
 from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, DecodeState, Inputs, Static, advance, start
 from jaxmtp.generation_config import GenerationConfig
 from jaxmtp.model import Model
@@ -121,6 +121,7 @@ class Prepared:
     n: int
     lengths: np.ndarray
     costs: list[float] | None = None  # auto: the calibrated round costs
+    chose_plain: bool = False  # auto: no k pays at these costs, so the plain loop runs
 
     def with_costs(self, costs: list[float]) -> "Prepared":
         """Auto with these round costs (in steps of the plain loop)."""
@@ -251,11 +252,14 @@ def calibration_runs(prepared: Prepared):
 
 def calibrated(prepared: Prepared) -> Prepared:
     """With auto: the round costs for this device, model and buckets (measured with the compiled
-    loops on first use, in steps of the plain loop; see jaxmtp.calibration) filled into the inputs."""
+    loops on first use, in steps of the plain loop; see jaxmtp.calibration) filled into the inputs;
+    where no k > 0 pays at the prior's acceptance (`adaptive.drafting_pays`), the plain loop, which
+    is what the auto loop would run, at the plain loop's speed."""
     if not prepared.static.auto:
         return prepared
     costs = calibration.round_costs(prepared.cost_key(), *calibration_runs(prepared), prepared.static.k)
-    return prepared.with_costs(costs)
+    prepared = prepared.with_costs(costs)
+    return prepared if adaptive.drafting_pays(costs) else dataclasses.replace(prepared.plain(), chose_plain=True)
 
 
 def unpack(prepared: Prepared, state: DecodeState, receiver: streaming.Receiver | None = None) -> GenerationOutput:
@@ -272,7 +276,7 @@ def unpack(prepared: Prepared, state: DecodeState, receiver: streaming.Receiver 
     if logprobs is not None:
         logprobs = [logprobs[i, span].tolist() for i, span in enumerate(spans)]
     stats = GenerationStats.of(out["rounds"][:n], out["drafted"][:n], out["accepted"][:n], out["accepted_at"][:n],
-                               out["rounds_at"][:n], out["steps"], prepared.costs)
+                               out["rounds_at"][:n], out["steps"], prepared.costs, prepared.chose_plain)
     return GenerationOutput(tokens, stats, logprobs)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 # The names `stats[name]` answers (as the dict the stats once were): every property below.
 _NAMES = ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "draft_tokens", "accepted_tokens",
-          "rounds_by_k", "main_forward_passes", "per_row", "round_costs")
+          "rounds_by_k", "main_forward_passes", "per_row", "round_costs", "chose_plain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,8 +17,9 @@ class GenerationStats:
     (draft tokens), accepted_at[row][i] (rounds in which draft i+1 was accepted), rounds_at[row][k]
     (rounds run at k). steps: main forward passes of the batch, the prefill's included.
     round_costs: with speculative_k="auto", the calibrated cost of a round of the auto loop at
-    k = 0.. in steps of the plain loop (else None). `stats["acceptance_rate"]` and the like read the
-    properties."""
+    k = 0.. in steps of the plain loop (else None). chose_plain: auto ran the plain loop, because
+    at these costs no k > 0 pays at the prior's acceptance (jaxmtp.adaptive.drafting_pays).
+    `stats["acceptance_rate"]` and the like read the properties."""
 
     rounds: tuple[int, ...]
     drafted: tuple[int, ...]
@@ -27,14 +28,16 @@ class GenerationStats:
     rounds_at: tuple[tuple[int, ...], ...]
     steps: int
     round_costs: tuple[float, ...] | None = None
+    chose_plain: bool = False
 
     @classmethod
-    def of(cls, rounds, drafted, accepted, accepted_at, rounds_at, steps, round_costs=None) -> "GenerationStats":
+    def of(cls, rounds, drafted, accepted, accepted_at, rounds_at, steps, round_costs=None,
+           chose_plain=False) -> "GenerationStats":
         """From the loop's arrays ([rows], [rows, k], [rows, k + 1], scalar)."""
         rows = lambda a: tuple(tuple(int(v) for v in r) for r in np.asarray(a))  # noqa: E731
         return cls(tuple(int(v) for v in rounds), tuple(int(v) for v in drafted), tuple(int(v) for v in accepted),
                    rows(accepted_at), rows(rounds_at), int(steps),
-                   None if round_costs is None else tuple(float(c) for c in round_costs))
+                   None if round_costs is None else tuple(float(c) for c in round_costs), bool(chose_plain))
 
     @property
     def draft_tokens(self) -> int:
@@ -75,7 +78,7 @@ class GenerationStats:
     @property
     def per_row(self) -> list["GenerationStats"]:
         """Each row's own stats (its passes: the prefill plus the rounds it was still running)."""
-        return [GenerationStats((r,), (d,), (a,), (at,), (rk,), 1 + r, self.round_costs)
+        return [GenerationStats((r,), (d,), (a,), (at,), (rk,), 1 + r, self.round_costs, self.chose_plain)
                 for r, d, a, at, rk in zip(self.rounds, self.drafted, self.accepted, self.accepted_at, self.rounds_at)]
 
     def __getitem__(self, name: str):

@@ -454,3 +454,26 @@ def test_round_costs_are_keyed_by_the_code_that_measured_them(tmp_path):
     assert calibration.engine_digest() == calibration.source_digest(os.path.dirname(jaxmtp.__file__))
     key = calibration.key({"hidden_size": 8}, "float32", "layout", "greedy", 1, 16, 64, 4)
     assert key.endswith(f"jaxmtp {calibration.engine_digest()}")
+
+
+@pytest.mark.parametrize("costs, plain", [([1.1, 1.85, 2.3, 2.7, 3.0], True), ([1.0, 1.2, 1.4, 1.6, 1.9], False)])
+def test_auto_decodes_plainly_where_no_k_pays_and_says_why(tmp_path, monkeypatch, capsys, costs, plain):
+    """Round costs under which no k > 0 pays at the prior's acceptance (k = 1 yields 1.7 tokens for
+    1.85 steps): auto runs the plain loop (its own would never draft) and `jaxmtp generate` says so
+    and why, instead of an acceptance rate of drafts never made. Where k = 1 pays, it drafts."""
+    from jaxmtp import calibration
+    from jaxmtp.cli import main
+
+    monkeypatch.setenv("JAXMTP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration, "measure", lambda *args: costs)
+    model = gm.model("always")
+    out = jaxmtp.generate(model, [[3, 4, 5]], max_new_tokens=12, speculative_k="auto")
+    assert out.tokens == jaxmtp.generate(model, [[3, 4, 5]], max_new_tokens=12).tokens
+    assert out.stats.chose_plain == plain and (out.stats.draft_tokens == 0) == plain
+    assert out.stats.round_costs == pytest.approx(costs)
+    jaxmtp.save(model, tmp_path / "m", format="hf")
+    main(["generate", "--model", str(tmp_path / "m"), "--tokens", "3,4,5", "--max-new-tokens", "12", "--ignore-eos",
+          "--quiet"])
+    printed = capsys.readouterr().out
+    assert ("decoded plainly: a round drafting k = 1, 2, 3, 4 costs 1.85, 2.30" in printed) == plain
+    assert ("acceptance rate" in printed) == (not plain)
