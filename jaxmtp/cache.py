@@ -2,8 +2,9 @@
 with DeepSeek Sparse Attention the lightning indexer's key index_k).
 
 That is kv_lora_rank + qk_rope_head_dim values (576 for DeepSeek-V3; 704 with DeepSeek-V3.2's
-index key) instead of the expanded heads x (qk_head_dim + v_head_dim). Entries are addressed by absolute position, so rolling back a
-row is just moving its position: stale entries beyond it are masked out and later overwritten.
+index key) instead of the expanded heads x (qk_head_dim + v_head_dim). Entries are addressed by
+absolute position, so rolling back a row is just moving its position: stale entries beyond it are
+masked out and later overwritten.
 """
 
 import flax.struct
@@ -44,11 +45,10 @@ class MLACache:
             p + T <= max_len (generation sizes its caches so).
           c_kv: [B, T, C]; k_pe: [B, T, R]; index_k: [B, T, Di] where the cache holds index keys.
 
-        A scatter promised in bounds, to unique indices: XLA updates the cache in place, where the
-        bounds-checked form ("drop") made it copy the whole cache on every step. One row (batch 1)
-        is one dynamic_update_slice at its first position: XLA CPU turned a one-token scatter into
-        a slice update guarded by a bounds check, up to 4 more kernels per layer (the demo's 1-row
-        step 1.1x the time in a loop over fixed positions, about 1% in generation).
+        A scatter promised in bounds, to unique indices, so that XLA updates the cache in place (the
+        bounds-checked form, "drop", makes it copy the whole cache on every step). One row (batch 1)
+        is one dynamic_update_slice at its first position, because XLA CPU turns a one-token scatter
+        into a slice update guarded by a bounds check, more kernels per layer (tools/step_profile.py).
         """
         rows = jnp.arange(positions.shape[0])[:, None]
 

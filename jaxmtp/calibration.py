@@ -11,8 +11,7 @@ $JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
 
 The unit is the plain loop's step, so that the costs read as what speculation buys over plain
 decoding; the rule in jaxmtp.adaptive compares them with each other only. The auto loop's own
-round at k = 0 costs about that step: 0.92-1.08 of it for the demo model on a 2-core CPU
-(`python benchmarks/auto_k0.py`).
+round at k = 0 costs about that step (benchmarks/auto_k0.py).
 """
 
 from __future__ import annotations
@@ -91,18 +90,15 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
     plain_seconds() runs about ROUNDS steps of the plain decoding loop and round_seconds(k) about
     ROUNDS rounds of the auto loop with k forced, each after a prefill it does not time, and return
     the seconds per step or round. Each of REPEATS repeats runs the plain loop before and after
-    every k (P 0 P 1 P ... k_max P), about 0.4 s per repeat for the demo; the cost at k is the
-    median over the repeats of its time over the mean of the two plain runs beside it. A shared
-    machine's slower spells last from a tenth of a second to seconds: a run at k and the plain runs
-    beside it mostly share one. (Beside a competing process on a 2-core CPU, k = 1 of the demo
-    read 1.56-1.72 plain steps over every window of 7 repeats of 60; with one plain run before all
-    the k of a repeat and 5 repeats, as the costs were measured before, 1.55-1.96:
-    `python benchmarks/calibration.py --windows 60 --competing`.)
+    every k (P 0 P 1 P ... k_max P); the cost at k is the median over the repeats of its time over
+    the mean of the two plain runs beside it. A shared machine's slower spells last from a tenth of
+    a second to seconds, so a run at k and the plain runs beside it mostly share one, which keeps the
+    costs steady where a competing process runs (tools/calibration.py --windows 60 --competing).
 
     A round at k > 0 does all the work of one at k - 1 and more (a main forward over one more row,
     one more MTP pass), so a median below the cost at k - 1 is the machine's noise and is raised to
-    that bound. The round at k = 0 has no bound against the plain step: it measures 0.92-1.08 of one
-    for the demo (benchmarks/auto_k0.py), below 1 at 400 new tokens in every run."""
+    that bound. The round at k = 0 has no bound against the plain step: it can cost less than one
+    (benchmarks/auto_k0.py)."""
     plain_seconds(), round_seconds(0)  # first calls: warm-up
     ratios = {k: [] for k in range(k_max + 1)}
     for _ in range(REPEATS):

@@ -1,9 +1,10 @@
-"""Chat prompts: a checkpoint's own chat template (`chat_template` in tokenizer_config.json, a
-Jinja template, as DeepSeek-V3/R1 and Kimi K2 checkpoints ship it) rendered for a conversation.
+"""Chat prompts: a checkpoint's own chat template rendered for a conversation.
 
-The template is rendered with jinja2's sandboxed environment and the conventions templates are
-written for: trim_blocks and lstrip_blocks, the loop-control extension, `raise_exception(msg)`,
-a `tojson` filter, and the variables messages, add_generation_prompt, bos_token and eos_token.
+The template is `chat_template` in tokenizer_config.json, a Jinja template, as DeepSeek-V3/R1 and
+Kimi K2 checkpoints ship it. It is rendered with jinja2's sandboxed environment and the
+conventions templates are written for: trim_blocks and lstrip_blocks, the loop-control extension,
+`raise_exception(msg)`, a `tojson` filter, and the variables messages, add_generation_prompt,
+bos_token and eos_token.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """`ModelConfig`: the static, hashable description of a DeepSeek-V3-family model.
 
-It is read from and written to HF `config.json` (`model_type` deepseek_v3, kimi_k2 or deepseek_v32) and passed
-explicitly to
-every module and jitted function. Validation is strict: a value jaxmtp cannot run exactly raises
-`ConfigError` naming the field, instead of being silently approximated.
+It is read from and written to HF `config.json` (`model_type` deepseek_v3, kimi_k2 or
+deepseek_v32) and passed explicitly to every module and jitted function. Validation is strict: a
+value jaxmtp cannot run exactly raises `ConfigError` naming the field, instead of being silently
+approximated.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Training text for the demo model: the Python standard library's own source, already on every
-machine that runs Python, and a byte-level BPE tokenizer trained on it.
+"""Training text for the demo model: the Python standard library's source and a BPE tokenizer for it.
 
-Test suites are left out; a fixed set of modules is held out for evaluation.
+The source is already on every machine that runs Python; the tokenizer is byte-level BPE trained on
+it. Test suites are left out; a fixed set of modules is held out for evaluation.
 """
 
 from __future__ import annotations

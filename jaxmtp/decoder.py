@@ -2,9 +2,9 @@
 
 In the checkpoint layout, layers of one kind are stacked on a leading `layers` axis, created by
 `nn.scan` and run in a loop over the layer index (`_layer_loop`; training, which collects
-intermediates, runs the scan), so tracing and compiling cost the same for 4 layers or 61. In an unrolled layout
-(jaxmtp.layout, for decoding) each layer has its own parameters and cache and runs in turn; the
-layers of a kind are traced once.
+intermediates, runs the scan), so tracing and compiling cost the same for 4 layers or 61. In an
+unrolled layout (jaxmtp.layout, for decoding) each layer has its own parameters and cache and runs
+in turn; the layers of a kind are traced once.
 """
 
 import functools
@@ -90,10 +90,11 @@ class LayerStack(nn.Module):
 @functools.cache
 def _layer_call(config, dtype, moe, absorbed, layout):
     """(params, x, positions, cache) -> (x, cache): a DecoderLayer's application under jax.jit,
-    shared by the unrolled layers of a kind. Inside a traced program the layers then share one
-    trace and one lowered function instead of one each (the demo's auto loop: 11 s of tracing
-    and 3 s of lowering became 3 s and 1 s); XLA inlines the calls, so the compiled program and
-    its kernels are the same as with the layers traced one by one."""
+    shared by the unrolled layers of a kind.
+
+    Inside a traced program the layers then share one trace and one lowered function instead of one
+    each, which cuts the compile time (benchmarks/compile_cache.py); XLA inlines the calls, so the
+    compiled program and its kernels are the same as with the layers traced one by one."""
     layer = DecoderLayer(config, dtype, moe, absorbed, layout)
     return jax.jit(lambda params, x, positions, cache: layer.apply({"params": params}, x, positions, cache))
 

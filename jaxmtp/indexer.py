@@ -40,7 +40,9 @@ KEY_BLOCK = 1024
 
 
 class Indexer(nn.Module):
-    """Args of the methods: x [B, T, D] (the attention's normed input), q_resid [B, T, Q],
+    """One attention layer's lightning indexer: its index queries, head weights and keys.
+
+    Args of the methods: x [B, T, D] (the attention's normed input), q_resid [B, T, Q],
     positions [B, T]."""
 
     config: ModelConfig
@@ -121,7 +123,7 @@ def scores(config: ModelConfig, queries, weights, keys, visible):
 def top_keys(config: ModelConfig, index_scores):
     """index_scores [B, T, S] -> (indices [B, T, K] of the K = min(index_topk, S) highest, chosen
     [B, T, K]: whether each is a visible key). Equal scores: the lower index first. Each device
-    selects for its own rows (XLA ran top_k on the whole batch on every device of a data mesh)."""
+    selects for its own rows, because XLA runs top_k on the whole batch on every device of a data mesh."""
     def select(index_scores):
         values, indices = jax.lax.top_k(index_scores, min(config.index_topk, index_scores.shape[-1]))
         return indices, values > -jnp.inf

@@ -1,8 +1,8 @@
-"""Basic Linen building blocks: RMSNorm, LayerNorm, bias-free Linear ([out, in] like the checkpoints, or [in, out]
-in the decode layout), Embed.
+"""Basic Linen building blocks: RMSNorm, LayerNorm, bias-free Linear, Embed.
 
-Every parameter is called `weight` (LayerNorm's shift `bias`) and annotated with logical axis names, so a checkpoint tensor
-`...q_a_proj.weight` is the parameter at path `(..., "q_a_proj", "weight")`.
+Linear stores [out, in] like the checkpoints, or [in, out] in the decode layout. Every parameter is
+called `weight` (LayerNorm's shift `bias`) and annotated with logical axis names, so a checkpoint
+tensor `...q_a_proj.weight` is the parameter at path `(..., "q_a_proj", "weight")`.
 """
 
 from typing import Any
@@ -145,8 +145,8 @@ class Embed(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         weight = self.weight
         if weight.dtype.itemsize == 2 and jnp.issubdtype(weight.dtype, jnp.floating):
-            # Rows gathered as 16-bit integers and viewed back: XLA:CPU gathers no bfloat16, and widened
-            # the whole table to float32 (and kept that copy across the decode loop) to gather from it.
+            # Rows gathered as 16-bit integers and viewed back: XLA:CPU gathers no bfloat16, and would
+            # widen the whole table to float32 (a copy kept across the decode loop) to gather from it.
             rows = jnp.take(jax.lax.bitcast_convert_type(weight, jnp.uint16), tokens, axis=0)
             return jax.lax.bitcast_convert_type(rows, weight.dtype)
         return jnp.take(weight, tokens, axis=0)

@@ -3,47 +3,34 @@
 Both hold the same numbers; a layout only arranges them differently, and every Flax module reads
 its parameters in whichever layout it is given (`layout` attribute), so the model math exists once.
 
-- unrolled: each layer stack's layers as parameters of their own (`layers_0 .. layers_{L-1}`,
-  with one cache per layer) instead of arrays stacked on a leading `layers` axis run by nn.scan.
-  A scanned stack slices each layer's weights and cache out of the stacked arrays on every step
-  and writes the cache back.
-- split_experts: a layer's routed expert weights as a tuple of E arrays, so that each expert a
-  token chose runs on that expert's own buffers (one `lax.switch` per expert: not at all, on the
-  one row that chose it, or on all rows), with no gather or slice of the stack (a slice of an
-  operand is a copy in XLA: 3x the time for one token of the demo).
-  CPU only: XLA:GPU copies every conditional's predicate to the host and waits for it before it
-  launches a branch (its ConditionalThunk), so E experts x L layers of conditionals would stall a
-  GPU step L x E times; there the experts stay stacked and few tokens gather their experts'
-  weights (the path measured on an H200).
+- unrolled: each stack's layers as parameters of their own (`layers_0 .. layers_{L-1}`, one cache
+  each), so that a step does not slice every layer's weights and cache out of arrays stacked on a
+  `layers` axis and write the cache back, as a scan over the stack does.
+- split_experts: a layer's routed experts as a tuple of E weights, each run by its own `lax.switch`
+  (on no row, on the one row that chose it, or on all rows), so that no expert is gathered or
+  sliced out of the stack, which XLA copies (benchmarks/decode_step.py --experts). CPU only:
+  XLA:GPU waits for the host on every conditional's predicate, so E x L conditionals would stall a
+  GPU step; there the experts stay stacked and few tokens gather their experts' weights.
 - prefix_attention: a decode step attends over the shortest prefix of the cache that holds every
-  query position (SHORTEST_PREFIX slots, doubling up to the whole cache; one `lax.switch` branch
-  per prefix in each layer), not over the whole cache bucket, so the first steps of a long
-  generation do not pay for the slots they have not reached (the demo's 900-token generations,
-  a 1024-slot cache: 1.38-1.42x the tokens/s). Not a parameter arrangement, but chosen with the
-  others per platform: CPU only, for the reason split_experts is.
-- inputs_first: dense projection weights stored [in, out], multiplied as x @ W. For two or more
-  rows XLA's CPU GEMM re-packs an [out, in] weight on every call (x[4, 128] times a 512 x 128
-  weight: 11.7 us vs 3.8 us stored [in, out], on a 2-core Xeon). kv_b_proj is only read as per-head
-  up-projections, so it is stored as those, each input first as in the absorbed attention's
-  products: `key` [H, N, C] (q_nope -> latent) and `value` [H, C, V] (latent -> values). Cut out of
-  the [H * (N + V), C] weight on every step, they made XLA copy and re-lay them out in each layer
-  (the demo's 1-row step 1.2x slower on a 2-core EPYC). FP8-kept weights keep theirs: the kernels
-  take [out, in] blocks.
-- joint_projections: projections that read the same input stored side by side as one
-  [in, out1 + out2] weight, so that one product computes both: `q_a_proj` with
-  `kv_a_proj_with_mqa` (as `qkv_a_proj`), and `gate_proj` with `up_proj` in every MLP and every
-  split expert (as `gate_up_proj`). Each small product of a decode step costs a kernel call whose
-  overhead its few rows do not amortise: the demo's main forward ran 0.93-1.00x the time at 1 row
-  and 0.96-0.99x at 4 (`benchmarks/decode_step.py --base 6b165ac`). Needs inputs_first (the
-  weights are joined along out); not where a mesh splits those weights over `tensor`, whose
-  slices of a joined weight would not be the ones each half needs.
-- absorbed_queries: W_uk (kv_b_proj's per-head key half) folded into the query projection, whose
-  nope columns of head h become W_q[:, h, :N] @ W_uk[h]: one product gives the query in the latent
-  space that the absorbed attention scores against the cache, so that every pass, prefill
-  included, attends in the absorbed form (there is no key half left to expand with). Chosen where
-  the folded weight [Q, H * (C + R)] holds no more numbers than the two it replaces: the demo
-  (equal; one batched product and two transposing copies fewer per layer, the main forward
-  0.98x the time at 1 and 4 rows), not DeepSeek-V3 (2.5x). Needs inputs_first.
+  query position (SHORTEST_PREFIX slots, doubling; one `lax.switch` branch per prefix), so that the
+  first steps of a long generation skip the slots they have not reached (benchmarks/decode_step.py
+  --prefix-attention). Not a parameter arrangement; CPU only, for split_experts' reason.
+- inputs_first: dense projection weights stored [in, out], because XLA's CPU GEMM re-packs an
+  [out, in] weight on every call of two or more rows (benchmarks/decode_step.py). kv_b_proj is
+  stored as the per-head products it is read as, `key` [H, N, C] (q_nope -> latent) and `value`
+  [H, C, V] (latent -> values), which cut out of its [H * (N + V), C] weight on every step would be
+  copied in each layer. FP8-kept weights stay [out, in]: their kernels take [out, in] blocks.
+- joint_projections: projections of the same input joined along out into one weight (`qkv_a_proj`:
+  q_a_proj and kv_a_proj_with_mqa; `gate_up_proj`: gate_proj and up_proj in every MLP and split
+  expert), because each small product of a decode step costs a kernel call that its few rows do not
+  amortise (benchmarks/decode_step.py). Needs inputs_first; not where a mesh splits these weights
+  over `tensor`, whose slices of a joined weight would not be the ones each half needs.
+- absorbed_queries: W_uk (kv_b_proj's per-head key half) folded into the query projection (head
+  h's nope columns become W_q[:, h, :N] @ W_uk[h]), so that one product gives the query in the
+  latent space and every pass, prefill included, attends in the absorbed form. Chosen where the
+  folded weight [Q, H * (C + R)] holds no more numbers than the two it replaces (the demo, not
+  DeepSeek-V3), which saves a batched product and two transposing copies per layer
+  (benchmarks/decode_step.py). Needs inputs_first.
 
 `decode_layout` picks the layout for a model and `convert` derives its parameters, once per model
 (`Model.decoding`): the checkpoint layout for models too large to unroll.
@@ -62,16 +49,15 @@ from jaxmtp.sharding import expert_axes
 # Routed experts are split only for small expert counts: every expert has its own branch in every
 # MoE layer, and many tokens run every expert over all of them.
 MAX_SPLIT_EXPERTS = 16
-# Larger models keep their scanned stacks: for DeepSeek-V3 671B on 64 devices (`jaxmtp plan`,
-# FP8 kept) unrolling the 61 layers raised the compile time from 6 s to 44 s and XLA's temporaries
-# from 48 to 112 GB per device.
+# Larger models keep their scanned stacks: unrolling DeepSeek-V3 671B's 61 layers multiplies its
+# compile time and XLA's temporaries per device (`jaxmtp plan` reports both).
 MAX_UNROLLED_BYTES = 8 << 30
 # Weights that keep the checkpoint's [out, in] layout under inputs_first.
 OUT_IN_ONLY = frozenset({"embed_tokens"})
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # under each layer's `experts`
 # Prefix attention's shortest prefix (cache slots); each longer one doubles it. Caches of up to
-# 256 slots keep one branch: with prefixes from 64 slots the demo's 64- and 200-token generations
-# ran 0.94x and 1.02x (benchmarks/prefix_attention.py: what skipped slots save, the switch costs).
+# 256 slots keep one branch: over shorter prefixes, what the skipped slots save does not pay for
+# the switch (benchmarks/decode_step.py --prefix-attention).
 SHORTEST_PREFIX = 256
 
 
@@ -135,8 +121,8 @@ def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
 
 def absorbing_is_no_larger(config: ModelConfig) -> bool:
     """Whether the query projection with W_uk folded in ([Q, H * (C + R)]) holds no more numbers
-    than the two it replaces ([Q, H * (N + R)] and W_uk [H, N, C]): the demo's widths (equal), not
-    DeepSeek-V3's (2.5x)."""
+    than the two it replaces ([Q, H * (N + R)] and W_uk [H, N, C]): true at the demo's widths, not
+    at DeepSeek-V3's."""
     c = config
     q_in = c.q_lora_rank or c.hidden_size
     heads, rope = c.num_attention_heads, c.qk_rope_head_dim

@@ -43,7 +43,9 @@ def blockwise(queries: int, keys: int) -> bool:
 
 
 class MLA(nn.Module):
-    """Args of __call__:
+    """One layer's Multi-head Latent Attention.
+
+    Args of __call__:
       x: [B, T, D] normed input; positions: [B, T] absolute positions.
       cache: one layer's MLACache ([B, S, ...]) or None. With a cache, the new entries are written at
         `positions` and attention reads the cache (with `layout.prefix_attention` its shortest
@@ -117,13 +119,10 @@ class MLA(nn.Module):
             cache = cache.write(positions, c_kv, k_pe, None if index is None else index[2])
             out = self.attend_cache(attend, q_nope, q_pe, cache, positions)
         else:
-            # One row (a decode step, an MTP draft): attend over the slots before it and over its
-            # own new entry apart, then write that. Written first and read after, as for 2+ rows,
-            # XLA CPU wrote the entry twice here, the second time into a copy of the whole cache;
-            # read before a write that nothing orders after the reads, it copied the cache too.
-            # XLA updates a buffer in place after the reads that data orders before the update, so
-            # the entry written takes on a zero computed from the attention's output (the demo's
-            # 1-row main forward 0.79x the time at position 200 of 512 slots, 0.985x at 40 of 128).
+            # One row (a decode step, an MTP draft): attend over the slots before it and over its own
+            # new entry apart, then write the entry. The entry takes on a zero computed from the
+            # attention's output, so that data orders the write after the cache reads and XLA CPU updates
+            # the cache in place instead of copying it (benchmarks/decode_step.py).
             out = self.attend_cache(functools.partial(attend, own=(c_kv, k_pe, causal)), q_nope, q_pe, cache,
                                     positions - 1)
             after = (0 * out[:, :, 0, :1]).astype(c_kv.dtype)  # [B, 1, 1]
@@ -227,11 +226,10 @@ class MLA(nn.Module):
         w_uk, w_uv = self.up_projections()
         b, t, h, _ = q_nope.shape
         q_latent = self.latent_queries(q_nope, w_uk)
-        # Slot-major: the keys (cache slots) are M against the T*H query rows, then K against the
-        # latent, so XLA CPU, which runs a product as [M, K] x [K, N] and copies an operand laid out
-        # otherwise, copies neither the cache nor its transpose. The probabilities are transposed
-        # for the second product (small): as they come, XLA ran it as its own loop. Written with T
-        # and H apart (bsth), XLA copied the cache again.
+        # Slot-major, with T and H merged into one axis of query rows: XLA CPU runs a product as
+        # [M, K] x [K, N] and copies an operand laid out otherwise, so the cache is M in the scores and
+        # K in the output product and is never copied. The (small) probabilities are transposed for the
+        # second product so that XLA runs it as a library product, not a loop of its own.
         rows_latent, rows_pe = q_latent.reshape(b, t * h, -1), q_pe.reshape(b, t * h, -1)  # [B, T*H, .]
         keys = [(c_kv, k_pe, mask)] + ([] if own is None else [own])
         scores = jnp.concatenate([jnp.einsum("bsc,bmc->bsm", c, rows_latent) + jnp.einsum("bsr,bmr->bsm", r, rows_pe)
@@ -249,9 +247,9 @@ class MLA(nn.Module):
         (q_nope itself where the layout folded W_uk into the query projection)."""
         if self.layout.absorbed_queries:
             return q_nope
-        # W_uk per head as one product batched over heads with the B*T rows as its M dimension:
-        # written as bthn,hnc->bthc, XLA CPU emitted its own loop for 2+ rows instead of a library
-        # product (the demo's 4-row main forward took about 1.15x the time; 1 row the same).
+        # W_uk per head as one product batched over heads with the B*T rows as its M dimension, which
+        # XLA CPU runs as a library product; as bthn,hnc->bthc it emits a loop of its own for 2+ rows
+        # (benchmarks/decode_step.py).
         b, t, h, _ = q_nope.shape
         rows = q_nope.reshape(b * t, h, -1).transpose(1, 0, 2)  # [H, B*T, N]
         q_latent = jnp.einsum("hmn,hnc->hmc", rows, w_uk.astype(q_nope.dtype))
@@ -260,10 +258,11 @@ class MLA(nn.Module):
     def attend_blockwise(self, absorbed: bool, q_nope, q_pe, c_kv, k_pe, positions, selected=None):
         """Attention over c_kv [B, S, C] / k_pe [B, S, R] a block of KEY_BLOCK keys at a time with an
         online softmax (a running maximum and sum per query and head), masked to key position <=
-        query position (positions [B, T]) and to the `selected` keys [B, T, S] if given, so that no [T, S] score matrix of the whole cache is
-        held: the absorbed form accumulates the latent [B, T, H, C] and applies W_uv once at the
-        end; the expanded form expands each block's keys and values. Blocks past the largest query
-        position are not visited. S is a multiple of KEY_BLOCK. -> [B, T, H, V]"""
+        query position (positions [B, T]) and to the `selected` keys [B, T, S] if given, so that no
+        [T, S] score matrix of the whole cache is held: the absorbed form accumulates the latent
+        [B, T, H, C] and applies W_uv once at the end; the expanded form expands each block's keys
+        and values. Blocks past the largest query position are not visited. S is a multiple of
+        KEY_BLOCK. -> [B, T, H, V]"""
         w_uk, w_uv = self.up_projections()
         dtype = q_nope.dtype
         b, t, h, _ = q_nope.shape

@@ -57,9 +57,10 @@ def swiglu(x, gate, up, down, inputs_first: bool):
 
 
 def top_two_sum(x: jax.Array) -> jax.Array:
-    """The sum of the two largest values along the last axis, a tied maximum counted twice: what
-    jax.lax.top_k(x, 2)[0].sum(-1) gives, bit for bit, from reductions (XLA CPU ran that top_k as a
-    sort, at 4 tokens the dearest kernel of the router). x [..., S] (S >= 2) -> [...]."""
+    """x [..., S] (S >= 2) -> the sum of its two largest values along S [...], a tied maximum counted twice.
+
+    What jax.lax.top_k(x, 2)[0].sum(-1) gives, bit for bit, from reductions: XLA CPU runs that top_k
+    as a whole sort, the dearest kernel of a few-token router (tools/step_profile.py)."""
     first = x.max(axis=-1)
     at_first = x == first[..., None]
     below = jnp.where(at_first, -jnp.inf, x).max(axis=-1)
@@ -153,18 +154,19 @@ class Experts(nn.Module):
 
 def split_experts(x, weights, experts, gate, up, down, inputs_first):
     """Routed experts on their own weights (split layout), each run only where a token chose it.
+
     One token (a plain decode step): one lax.switch per expert it chose, over the E experts.
-    Several: one lax.switch per expert, which runs it not at all, on the one row that chose it, or
-    on all N rows, and each token keeps its own experts' outputs, weighted; on one row an expert's
-    products cost about 0.6x the 4-row ones at the demo's widths (benchmarks/row_products.py). With
-    many tokens (prefill) most experts run over every token, up to E / K times the routed FLOPs,
-    which the few experts of a split layout keep small.
+    Several: one lax.switch per expert, which runs it not at all, on the one row that chose it (a
+    1-row product costs less than an N-row one), or on all N rows, and each token keeps its own
+    experts' outputs, weighted (benchmarks/decode_step.py --experts). With many tokens (prefill)
+    most experts run over every token, up to E / K times the routed FLOPs, which the few experts of
+    a split layout keep small.
     x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights (up: E Nones where gate
     holds both, see swiglu) -> [N, D]."""
     run = [lambda x, g=g, u=u, d=d: swiglu(x, g, u, d, inputs_first) for g, u, d in zip(gate, up, down)]
     if x.shape[0] == 1:  # K conditionals (and index clamps) instead of E, and no per-expert bookkeeping
         # Clipped as one vector, though lax.switch clamps its index too: switching on a scalar slice
-        # of top_k's indices made XLA CPU run that top_k as a whole sort (1.04x the step's time).
+        # of top_k's indices makes XLA CPU run that top_k as a whole sort (tools/step_profile.py).
         chosen = jnp.clip(experts[0], 0, len(run) - 1)
         return sum(weights[0, k].astype(x.dtype) * jax.lax.switch(chosen[k], run, x) for k in range(len(chosen)))
     combine = (jax.nn.one_hot(experts, len(gate), dtype=x.dtype) * weights[..., None].astype(x.dtype)).sum(axis=1)

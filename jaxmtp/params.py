@@ -1,5 +1,7 @@
-"""Parameter shapes, logical axes, shardings and counts of a config, from the Flax modules' own `init`, without
-allocating; `module` builds the Flax module for a config."""
+"""Parameter shapes, logical axes, shardings and counts of a config, without allocating.
+
+All come from the Flax modules' own `init` under jax.eval_shape; `module` builds the Flax module
+for a config."""
 
 from __future__ import annotations
 

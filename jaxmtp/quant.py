@@ -35,6 +35,8 @@ def is_quantized_param(path: tuple[str, ...]) -> bool:
 
 @flax.struct.dataclass
 class QuantizedWeight:
+    """An FP8 block-scaled weight: its values, block scales and how it is multiplied (static)."""
+
     value: jax.Array  # [..., out, in] float8_e4m3fn
     scale: jax.Array  # [..., ceil(out/b), ceil(in/b)] float32
     block: tuple[int, int] = flax.struct.field(pytree_node=False, default=(128, 128))

@@ -15,9 +15,9 @@ copies only support copying <=256 elements along each dimension" (the K-long blo
 Unsupported memory space: vmem" (the grid layout's scratch); it needs warpgroup kernels of its own.
 
 Both lower without the hardware (`jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))`
-gives a `tpu_custom_call`, `("cuda",)` a `__gpu$xla.gpu.triton` call; the tests check this). The
-Triton kernels have been compiled and tested on an H200 (jax 0.11.2, which deprecates Pallas's
-Triton backend in favour of Mosaic GPU); the Mosaic TPU ones have not run on a TPU.
+gives a `tpu_custom_call`, `("cuda",)` a `__gpu$xla.gpu.triton` call; the tests check this). On a
+GPU, benchmarks/fp8_gemm.py compiles the Triton kernels and checks them against the references;
+the Mosaic TPU ones are checked at lowering only.
 
 Where the hardware has no FP8 matmul (TPU before v7, GPU before sm89) the kernels never touch an
 FP8 type: FP8 arrays cross the kernel boundary as raw bytes (uint8, a free bitcast) and are
@@ -80,7 +80,7 @@ def _compiler_params(target, semantics):
         return None
     if target.platform == "tpu":
         return pltpu.CompilerParams(dimension_semantics=semantics)
-    # 8 warps: on an H200, 1.3-2x the TFLOPS of 4 warps at M >= 128 (benchmarks/fp8_gemm.py shapes)
+    # 8 warps: more TFLOPS than 4 at M >= 128 on the shapes of benchmarks/fp8_gemm.py
     return pltriton.CompilerParams(num_warps=8, num_stages=3)
 
 

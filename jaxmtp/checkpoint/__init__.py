@@ -29,7 +29,7 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=True,
       quantized: for FP8 checkpoints, "keep" (e4m3fn values + block scales, multiplied as `matmul`
         says) or "dequantize" (dense `dtype` weights).
       check_finite: raise CheckpointError on NaN/Inf in any tensor (checked as each tensor is
-        read, about 0.25 s per GB of bf16 on a 2-core CPU; False skips it).
+        read, which adds to the load time: benchmarks/checkpoint_load.py; False skips it).
       quiet: no progress bar.
       matmul: with quantized="keep", how the FP8 weights are multiplied: "fp8" (activations
         quantized per 1x128 tile, W8A8 block-scaled GEMM kernels) or "dequant"; default "fp8"
