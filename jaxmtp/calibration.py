@@ -114,12 +114,18 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
     return costs
 
 
+def stored(cache_key: str, k_max: int) -> list[float] | None:
+    """The costs stored for this key, or None where they are still to be measured."""
+    costs = _read().get(cache_key)
+    return [float(c) for c in costs] if isinstance(costs, list) and len(costs) == k_max + 1 else None
+
+
 def round_costs(cache_key: str, plain_seconds: Callable[[], float], round_seconds: Callable[[int], float],
                 k_max: int) -> list[float]:
     """The stored costs for this key, or measured now (see `measure`) and stored."""
-    stored = _read().get(cache_key)
-    if isinstance(stored, list) and len(stored) == k_max + 1:
-        return [float(c) for c in stored]
+    known = stored(cache_key, k_max)
+    if known is not None:
+        return known
     costs = measure(plain_seconds, round_seconds, k_max)
     table = _read()
     table[cache_key] = costs

@@ -14,6 +14,7 @@ import os
 
 from jaxmtp.errors import ConfigError
 
+
 FILE = "tokenizer_config.json"
 
 

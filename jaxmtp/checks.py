@@ -9,28 +9,30 @@ import numbers
 import jax
 import numpy as np
 
+from jaxmtp.errors import ArgumentTypeError, InputError
+
 
 def whole(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
     """`value` as an int: a Python or numpy integer (not a bool) in [minimum, maximum]."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an integer, found {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"{name}: expected an integer, found {value!r} ({type(value).__name__})")
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         bounds = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{name}: expected an integer {bounds}, found {value}")
+        raise InputError(f"{name}: expected an integer {bounds}, found {value}")
     return value
 
 
 def real(name: str, value, minimum: float, maximum: float = math.inf, above_minimum: bool = False) -> float:
     """`value` as a finite float in [minimum, maximum] ((minimum, maximum] with above_minimum)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a number, found {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"{name}: expected a number, found {value!r} ({type(value).__name__})")
     value = float(value)
     low_ok = value > minimum if above_minimum else value >= minimum
     if not (math.isfinite(value) and low_ok and value <= maximum):
         low = f"> {minimum}" if above_minimum else f">= {minimum}"
         bounds = low if maximum == math.inf else f"{low} and <= {maximum}"
-        raise ValueError(f"{name}: expected a finite number {bounds}, found {value}")
+        raise InputError(f"{name}: expected a finite number {bounds}, found {value}")
     return value
 
 
@@ -40,15 +42,15 @@ def prompts(value, vocab_size: int) -> list[list[int]]:
     if isinstance(value, (np.ndarray, jax.Array)):
         array = np.asarray(value)
         if array.ndim != 2:
-            raise TypeError(f"prompts: expected a 2-D array [batch, length] or a list of token-id lists, found an "
+            raise ArgumentTypeError(f"prompts: expected a 2-D array [batch, length] or a list of token-id lists, found an "
                             f"array of shape {array.shape}" + ("; for one prompt pass [ids]" if array.ndim == 1 else ""))
         value = list(array)
     if not isinstance(value, (list, tuple)):
-        raise TypeError(f"prompts: expected a list of token-id lists, found {type(value).__name__}")
+        raise ArgumentTypeError(f"prompts: expected a list of token-id lists, found {type(value).__name__}")
     if not value:
-        raise ValueError("prompts: expected at least one prompt, found an empty list")
+        raise InputError("prompts: expected at least one prompt, found an empty list")
     if all(isinstance(t, numbers.Number) for t in value):
-        raise TypeError("prompts: expected a list of prompts (token-id lists), found a flat list of numbers; "
+        raise ArgumentTypeError("prompts: expected a list of prompts (token-id lists), found a flat list of numbers; "
                         "for one prompt pass [[id, id, ...]]")
     return [_prompt(i, p, vocab_size) for i, p in enumerate(value)]
 
@@ -57,12 +59,12 @@ def _prompt(i: int, p, vocab_size: int) -> list[int]:
     if isinstance(p, (np.ndarray, jax.Array)):
         p = np.asarray(p)
         if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer):
-            raise TypeError(f"prompts[{i}]: expected a 1-D integer array, found shape {p.shape} dtype {p.dtype}")
+            raise ArgumentTypeError(f"prompts[{i}]: expected a 1-D integer array, found shape {p.shape} dtype {p.dtype}")
         p = p.tolist()
     if not isinstance(p, (list, tuple)):
-        raise TypeError(f"prompts[{i}]: expected a list of token ids, found {type(p).__name__}")
+        raise ArgumentTypeError(f"prompts[{i}]: expected a list of token ids, found {type(p).__name__}")
     if not p:
-        raise ValueError(f"prompts[{i}]: empty; every prompt needs at least one token")
+        raise InputError(f"prompts[{i}]: empty; every prompt needs at least one token")
     return [token_id(f"prompts[{i}][{j}]", t, vocab_size) for j, t in enumerate(p)]
 
 
@@ -70,7 +72,7 @@ def token_id(name: str, value, vocab_size: int) -> int:
     """One token id: an integer in [0, vocab_size)."""
     value = whole(name, value)
     if not 0 <= value < vocab_size:
-        raise ValueError(f"{name}: token id {value} outside the vocabulary [0, {vocab_size})")
+        raise InputError(f"{name}: token id {value} outside the vocabulary [0, {vocab_size})")
     return value
 
 
@@ -80,14 +82,14 @@ def token_ids(name: str, value, vocab_size: int):
     if not isinstance(value, jax.core.Tracer) and not (isinstance(value, jax.Array) and not value.is_fully_addressable):
         value = np.asarray(value)
         if value.dtype == object or not np.issubdtype(value.dtype, np.integer):
-            raise TypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
+            raise ArgumentTypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
         if value.size and not (0 <= value.min() and value.max() < vocab_size):
             bad = value[(value < 0) | (value >= vocab_size)].flat[0]
-            raise ValueError(f"{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
+            raise InputError(f"{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
     elif not np.issubdtype(value.dtype, np.integer):
-        raise TypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
+        raise ArgumentTypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
     if value.ndim != 2:
-        raise ValueError(f"{name}: expected shape [batch, length], found {tuple(value.shape)}")
+        raise InputError(f"{name}: expected shape [batch, length], found {tuple(value.shape)}")
     return jax.numpy.asarray(value, jax.numpy.int32)
 
 
@@ -97,7 +99,7 @@ def eos_ids(value, vocab_size: int) -> tuple[int, ...]:
         return ()
     if isinstance(value, (list, tuple)):
         if not value:
-            raise ValueError("eos_token_id: expected an id or a non-empty list of ids, found an empty list")
+            raise InputError("eos_token_id: expected an id or a non-empty list of ids, found an empty list")
         return tuple(token_id(f"eos_token_id[{i}]", v, vocab_size) for i, v in enumerate(value))
     return (token_id("eos_token_id", value, vocab_size),)
 
@@ -105,14 +107,14 @@ def eos_ids(value, vocab_size: int) -> tuple[int, ...]:
 def stop_sequences(value, vocab_size: int) -> tuple[tuple[int, ...], ...]:
     """stop_token_ids: a list of non-empty token-id lists -> a tuple of tuples."""
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise TypeError(f"stop_token_ids: expected a list of token-id lists, found {type(value).__name__}")
+        raise ArgumentTypeError(f"stop_token_ids: expected a list of token-id lists, found {type(value).__name__}")
     out = []
     for i, seq in enumerate(value):
         if not isinstance(seq, (list, tuple)):
-            raise TypeError(f"stop_token_ids[{i}]: expected a list of token ids, found {seq!r}; a single id "
+            raise ArgumentTypeError(f"stop_token_ids[{i}]: expected a list of token ids, found {seq!r}; a single id "
                             "is [[id]] (or an eos_token_id)")
         if not seq:
-            raise ValueError(f"stop_token_ids[{i}]: empty; a stop sequence needs at least one token")
+            raise InputError(f"stop_token_ids[{i}]: empty; a stop sequence needs at least one token")
         out.append(tuple(token_id(f"stop_token_ids[{i}][{j}]", t, vocab_size) for j, t in enumerate(seq)))
     return tuple(out)
 
@@ -120,10 +122,10 @@ def stop_sequences(value, vocab_size: int) -> tuple[tuple[int, ...], ...]:
 def stop_strings(value) -> tuple[str, ...]:
     """stop: a list of non-empty strings -> a tuple."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise TypeError(f"stop: expected a list of strings, found {value!r}")
+        raise ArgumentTypeError(f"stop: expected a list of strings, found {value!r}")
     for i, s in enumerate(value):
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop[{i}]: expected a non-empty string, found {s!r}")
+            raise InputError(f"stop[{i}]: expected a non-empty string, found {s!r}")
     return tuple(value)
 
 
@@ -134,5 +136,5 @@ def float_dtype(name: str, value):
     except (TypeError, ValueError):
         dtype = None
     if dtype is None or dtype.name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"{name}: expected float32, bfloat16 or float16, found {value!r}")
+        raise InputError(f"{name}: expected float32, bfloat16 or float16, found {value!r}")
     return jax.numpy.dtype(dtype)

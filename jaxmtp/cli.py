@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dis
 import math
 import os
 import re
@@ -17,7 +16,7 @@ import numpy as np
 
 import jaxmtp
 from jaxmtp import DEMO_MODEL, checks
-from jaxmtp.errors import CheckpointError, ConfigError
+from jaxmtp.errors import ArgumentTypeError, CheckpointError, ConfigError, InputError
 from jaxmtp.generation import MAX_SPECULATIVE_K
 from jaxmtp.generation_config import DEFAULT_PREFILL_CHUNK
 from jaxmtp.sharding import AXES
@@ -35,32 +34,15 @@ _FILE_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirec
 def _user_error(error: BaseException) -> str | None:
     """The one-line report of `error` if it is the user's (bad input), None if it is a bug.
 
-    ConfigError and CheckpointError always describe input. An OSError about a named file is about a
-    path the user gave. A ValueError or TypeError is the user's only when a `raise` statement in
-    jaxmtp's own code raised it: jaxmtp raises those to refuse arguments, with a message written for
-    people. The same types from JAX or numpy, or from a jaxmtp line that did not mean to (a failed
-    unpacking, int() of a bad string), are bugs and keep their traceback.
-    """
-    if isinstance(error, (UsageError, ConfigError, CheckpointError)):
+    jaxmtp raises InputError (ConfigError, CheckpointError) and ArgumentTypeError to refuse input,
+    with a message written for people; an OSError about a named file is about a path the user gave.
+    Anything else, ValueErrors and TypeErrors from JAX or numpy included, is a bug and keeps its
+    traceback."""
+    if isinstance(error, (UsageError, InputError, ArgumentTypeError)):
         return str(error)
     if isinstance(error, _FILE_ERRORS) and error.filename is not None:
         return f"{error.filename}: {error.strerror}"
-    if isinstance(error, (ValueError, TypeError)) and _raised_by_jaxmtp(error):
-        return str(error)
     return None
-
-
-def _raised_by_jaxmtp(error: BaseException) -> bool:
-    """Whether the innermost frame of `error`'s traceback is a `raise` statement in this package."""
-    tb = error.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    code = tb.tb_frame.f_code
-    if not os.path.abspath(code.co_filename).startswith(os.path.dirname(jaxmtp.__file__) + os.sep):
-        return False
-    return any(i.offset == tb.tb_lasti and i.opname == "RAISE_VARARGS" for i in dis.get_instructions(code))
 
 
 @contextlib.contextmanager
@@ -366,7 +348,8 @@ def _generate(args):
     if not model.config.has_mtp:
         print("no MTP layer in this model (num_nextn_predict_layers = 0): speculation needs one, so this is plain "
               "decoding", file=sys.stderr)
-    compile_s = warm_up(model, prompts, config)
+    with _Progress(quiet=args.quiet) as progress:
+        compile_s = warm_up(model, prompts, config, progress=progress)
     for prompt in prompts:
         stream = generate_stream(model, prompt, config, tokenizer=tokenizer)
         start, first, shown = time.perf_counter(), None, 0
@@ -383,6 +366,50 @@ def _generate(args):
         run_s = time.perf_counter() - start
         print(stream.text()[shown:] if tokenizer else "", end="\n\n", flush=True)
         _report(stream.output, config, run_s, first, compile_s)
+
+
+class _Progress:
+    """Prints each stage of the preparation on stderr as it starts, and every TICK seconds while one
+    lasts, so that a first run's compiling reads as work, not as a hang."""
+
+    TICK = 5.0
+
+    def __init__(self, quiet: bool = False):
+        import threading
+
+        self.quiet, self.began, self.stage = quiet, time.perf_counter(), None
+        self.changed, self.stopped = threading.Condition(), False
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+
+    def __enter__(self):
+        if not self.quiet:
+            self.thread.start()
+        return self
+
+    def __call__(self, stage: str):
+        with self.changed:
+            if stage == self.stage:
+                return
+            self.stage, self.since = stage, time.perf_counter()
+            self._print(f"{stage} ...")
+            self.changed.notify()
+
+    def __exit__(self, *exc):
+        with self.changed:
+            if self.stage is not None:
+                self._print(f"ready after {time.perf_counter() - self.began:.0f} s")
+            self.stopped = True
+            self.changed.notify()
+
+    def _print(self, line: str):
+        if not self.quiet:
+            print(f"[{time.perf_counter() - self.began:5.1f} s] {line}", file=sys.stderr, flush=True)
+
+    def _tick(self):
+        with self.changed:
+            while not self.stopped:
+                if not self.changed.wait(self.TICK) and self.stage is not None and not self.stopped:
+                    self._print(f"  still {self.stage.split(' (')[0]} ({time.perf_counter() - self.since:.0f} s)")
 
 
 def _report(out, config, run_s, first_s, compile_s):

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from jaxmtp.errors import ConfigError
 
+
 # Sizes that define the architecture: no default is guessed for these.
 _REQUIRED = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

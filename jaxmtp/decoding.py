@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxmtp.adaptive import AcceptanceCounts, best_k
 from jaxmtp.cache import MLACache
 from jaxmtp.config import ModelConfig
+from jaxmtp.errors import InputError
 from jaxmtp.generation_config import DEFAULT_PREFILL_CHUNK
 from jaxmtp.layout import Layout
 from jaxmtp.params import module
@@ -257,7 +258,7 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
     batch, width = prompt.shape
     chunk = min(static.prefill_chunk, width)
     if width % chunk:
-        raise ValueError(f"prompt width {width} is not a multiple of the prefill chunk {chunk}")
+        raise InputError(f"prompt width {width} is not a multiple of the prefill chunk {chunk}")
     key, token_key, draft_key = jax.random.split(inputs.key, 3)
     dtype, c, zeros = static.dtype, static.config, jnp.zeros_like(lengths)
     carry = _Prefilled(

@@ -19,7 +19,9 @@ import numpy as np
 
 from jaxmtp import adaptive, calibration, checks, compile_cache, streaming
 from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, DecodeState, Inputs, Static, advance, start
+from jaxmtp.errors import ArgumentTypeError, InputError
 from jaxmtp.generation_config import GenerationConfig
+from jaxmtp.layout import CHECKPOINT
 from jaxmtp.model import Model
 from jaxmtp.sampling import SamplingMode, SamplingParams
 from jaxmtp.stats import GenerationStats
@@ -62,7 +64,7 @@ def prompt_width(longest: int, chunk: int) -> int:
 def options(config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
     """`config` (default GenerationConfig()) with keyword arguments over it."""
     if config is not None and not isinstance(config, GenerationConfig):
-        raise TypeError(f"config: expected a GenerationConfig, found {type(config).__name__}")
+        raise ArgumentTypeError(f"config: expected a GenerationConfig, found {type(config).__name__}")
     return (config or GenerationConfig()).replace(**overrides)
 
 
@@ -73,7 +75,7 @@ def _check(model: Model, prompts, g: GenerationConfig):
     prompts = checks.prompts(prompts, c.vocab_size)
     for i, p in enumerate(prompts):
         if len(p) >= c.max_position_embeddings:
-            raise ValueError(f"prompts[{i}]: {len(p)} tokens leave no room for a new one within "
+            raise InputError(f"prompts[{i}]: {len(p)} tokens leave no room for a new one within "
                              f"max_position_embeddings = {c.max_position_embeddings}")
     checks.whole("max_new_tokens", g.max_new_tokens, minimum=1)
     checks.real("temperature", g.temperature, minimum=0)
@@ -82,17 +84,17 @@ def _check(model: Model, prompts, g: GenerationConfig):
     checks.whole("seed", g.seed)
     checks.whole("prefill_chunk", g.prefill_chunk, minimum=16)
     if g.prefill_chunk % 16:
-        raise ValueError(f"prefill_chunk: expected a multiple of 16, found {g.prefill_chunk}")
+        raise InputError(f"prefill_chunk: expected a multiple of 16, found {g.prefill_chunk}")
     checks.stop_strings(g.stop)
     if not isinstance(g.return_logprobs, bool):
-        raise TypeError(f"return_logprobs: expected True or False, found {g.return_logprobs!r}")
+        raise ArgumentTypeError(f"return_logprobs: expected True or False, found {g.return_logprobs!r}")
     k = g.speculative_k
     if k != "auto":
         if isinstance(k, str):
-            raise ValueError(f'speculative_k: expected "auto" or an integer 0..{MAX_SPECULATIVE_K}, found {k!r}')
+            raise InputError(f'speculative_k: expected "auto" or an integer 0..{MAX_SPECULATIVE_K}, found {k!r}')
         checks.whole("speculative_k", k, minimum=0, maximum=MAX_SPECULATIVE_K)
     if k not in (0, "auto") and not c.has_mtp:
-        raise ValueError("speculative_k > 0 needs an MTP module; this model has num_nextn_predict_layers = 0")
+        raise InputError("speculative_k > 0 needs an MTP module; this model has num_nextn_predict_layers = 0")
     eos = tuple((i,) for i in checks.eos_ids(g.eos_token_id, c.vocab_size))
     return prompts, eos + checks.stop_sequences(g.stop_token_ids, c.vocab_size)
 
@@ -250,14 +252,27 @@ def calibration_runs(prepared: Prepared):
             lambda k: seconds_per_round(prepared, prepared.forced(k, calibration.ROUNDS * (k + 1)), segments))
 
 
-def calibrated(prepared: Prepared) -> Prepared:
+def _silent(message: str):
+    pass
+
+
+def calibrated(prepared: Prepared, progress=_silent) -> Prepared:
     """With auto: the round costs for this device, model and buckets (measured with the compiled
     loops on first use, in steps of the plain loop; see jaxmtp.calibration) filled into the inputs;
     where no k > 0 pays at the prior's acceptance (`adaptive.drafting_pays`), the plain loop, which
-    is what the auto loop would run, at the plain loop's speed."""
+    is what the auto loop would run, at the plain loop's speed. progress(message) hears of the
+    compiling and measuring, where they happen."""
     if not prepared.static.auto:
         return prepared
-    costs = calibration.round_costs(prepared.cost_key(), *calibration_runs(prepared), prepared.static.k)
+    key, k_max = prepared.cost_key(), prepared.static.k
+    costs = calibration.stored(key, k_max)
+    if costs is None:
+        plain, rounds = calibration_runs(prepared)
+        progress(COMPILING)
+        plain(), rounds(0)  # compile both loops
+        progress(f"measuring what a round drafting k = 0..{k_max} tokens costs on this machine (once per machine, "
+                 "model and shape)")
+        costs = calibration.round_costs(key, plain, rounds, k_max)
     prepared = prepared.with_costs(costs)
     return prepared if adaptive.drafting_pays(costs) else dataclasses.replace(prepared.plain(), chose_plain=True)
 
@@ -357,23 +372,33 @@ def generate_stream(model: Model, prompt, config: GenerationConfig | None = None
     return TokenStream(model, prepare(model, [prompt], g), tokenizer, g.stop)
 
 
-def _warmed(prepared: Prepared) -> Prepared:
+def _warmed(prepared: Prepared, progress=_silent) -> Prepared:
     """Compiles (and with auto, calibrates) the loop for these buckets by running its prefill
     alone -> the prepared batch with auto's costs filled in."""
-    prepared = calibrated(prepared)
+    prepared = calibrated(prepared, progress)
+    if not prepared.static.auto and not prepared.chose_plain:  # auto compiled its loops to measure them
+        progress(COMPILING)
     jax.block_until_ready(prepared.run(prepared.limited(1)))
     return prepared
 
 
-def warm_up(model: Model, prompts, config: GenerationConfig | None = None, **options_) -> float:
+# What warm_up tells its progress callback while it compiles.
+COMPILING = "compiling the decoding loops for this machine (once: later runs load them from the compile cache)"
+
+
+def warm_up(model: Model, prompts, config: GenerationConfig | None = None, progress=_silent, **options_) -> float:
     """Compiles (and with auto, calibrates) the loop for each prompt's buckets by running its
     prefill alone, so that later calls only run; -> seconds taken. With the compile cache
-    (jaxmtp.compile_cache), a later process mostly loads what this one compiled."""
+    (jaxmtp.compile_cache), a later process mostly loads what this one compiled. progress(message)
+    is told of each stage as it starts (the weights' decode layout, compiling, measuring costs)."""
     g = options(config, options_)
     start = time.perf_counter()
+    if model.layout == CHECKPOINT:
+        progress("arranging the weights in the decode layout")
+        model.decoding()
     with model.mesh_context():
         for p in prompts:
-            _warmed(prepare(model, [p], g))
+            _warmed(prepare(model, [p], g), progress)
     return time.perf_counter() - start
 
 

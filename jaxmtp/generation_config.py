@@ -8,7 +8,8 @@ import json
 import os
 from collections.abc import Sequence
 
-from jaxmtp.errors import ConfigError
+from jaxmtp.errors import ArgumentTypeError, ConfigError
+
 
 # Prompt positions the prefill runs at once by default; longer prompts are prefilled chunk by chunk.
 DEFAULT_PREFILL_CHUNK = 512
@@ -46,7 +47,7 @@ class GenerationConfig:
         fields = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - fields)
         if unknown:
-            raise TypeError(f"unknown generation option {', '.join(unknown)}; the options are {', '.join(sorted(fields))}")
+            raise ArgumentTypeError(f"unknown generation option {', '.join(unknown)}; the options are {', '.join(sorted(fields))}")
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.errors import InputError
 from jaxmtp.layers import Dtype, LayerNorm, Linear
 from jaxmtp.layout import CHECKPOINT, Layout
 from jaxmtp.quant import QuantizedWeight
@@ -90,7 +91,7 @@ class Indexer(nn.Module):
 def hadamard(n: int) -> np.ndarray:
     """The normalised Sylvester-Hadamard matrix [n, n] (n a power of two), symmetric and orthogonal."""
     if n & (n - 1):
-        raise ValueError(f"hadamard: the FP8 indexer rotates index_head_dim = {n}, which must be a power of two")
+        raise InputError(f"hadamard: the FP8 indexer rotates index_head_dim = {n}, which must be a power of two")
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])

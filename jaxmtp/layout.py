@@ -43,6 +43,7 @@ import dataclasses
 import jax
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.errors import InputError
 from jaxmtp.quant import QuantizedWeight, is_quantized
 from jaxmtp.sharding import expert_axes
 
@@ -74,11 +75,11 @@ class Layout:
 
     def __post_init__(self):
         if (self.split_experts or self.inputs_first) and not self.unrolled:
-            raise ValueError(f"{self}: split_experts and inputs_first apply to unrolled layers only")
+            raise InputError(f"{self}: split_experts and inputs_first apply to unrolled layers only")
         if self.joint_projections and not self.inputs_first:
-            raise ValueError(f"{self}: joint_projections joins [in, out] weights, so it needs inputs_first")
+            raise InputError(f"{self}: joint_projections joins [in, out] weights, so it needs inputs_first")
         if self.absorbed_queries and not self.inputs_first:
-            raise ValueError(f"{self}: absorbed_queries folds kv_b_proj's per-head key into [in, out] weights, "
+            raise InputError(f"{self}: absorbed_queries folds kv_b_proj's per-head key into [in, out] weights, "
                              "so it needs inputs_first")
 
 
@@ -145,7 +146,7 @@ def convert(params, layout: Layout, config: ModelConfig):
     if not layout.unrolled:
         return params
     if (layout.joint_projections or layout.absorbed_queries) and is_quantized(params):
-        raise ValueError(f"{layout}: FP8-kept weights cannot be joined or folded together (their kernels take "
+        raise InputError(f"{layout}: FP8-kept weights cannot be joined or folded together (their kernels take "
                          "[out, in] blocks)")
     params = dict(params)
     for group in ("dense_layers", "moe_layers"):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxmtp import checks
 from jaxmtp.config import ModelConfig
+from jaxmtp.errors import InputError
 from jaxmtp.layout import CHECKPOINT, Layout, convert, decode_layout
 from jaxmtp.params import abstract_params, init_variables, module, param_shardings, positions_for
 from jaxmtp.quant import with_matmul
@@ -42,9 +43,12 @@ class Model:
         if layout == self.layout:
             return self
         if self.layout != CHECKPOINT:
-            raise ValueError(f"with_layout: converts from the checkpoint layout only; this model is in {self.layout}")
+            raise InputError(f"with_layout: converts from the checkpoint layout only; this model is in {self.layout}")
+        converted = partial(convert, layout=layout, config=self.config)
+        if self.mesh is None:  # op by op: compiling the whole conversion as one program takes longer
+            return dataclasses.replace(self, params=converted(self.params), layout=layout)
         with self.mesh_context():
-            params = jax.jit(partial(convert, layout=layout, config=self.config))(self.params)
+            params = jax.jit(converted)(self.params)
         return dataclasses.replace(self, params=params, layout=layout)
 
     def decoding(self) -> "Model":
@@ -81,11 +85,11 @@ class Model:
         """Teacher-forced MTP: slot p combines hidden[:, p] with Emb(next_tokens[:, p]) (= t_{p+1})
         and predicts t_{p+2}. hidden [B, T, D], next_tokens [B, T] -> logits [B, T, V] float32."""
         if not self.config.has_mtp:
-            raise ValueError("mtp_forward: this model has no MTP module (num_nextn_predict_layers = 0)")
+            raise InputError("mtp_forward: this model has no MTP module (num_nextn_predict_layers = 0)")
         next_tokens = checks.token_ids("next_tokens", next_tokens, self.config.vocab_size)
         want = (*next_tokens.shape, self.config.hidden_size)
         if tuple(jnp.shape(hidden)) != want:
-            raise ValueError(f"mtp_forward: hidden must be [B, T, hidden_size] = {list(want)} for next_tokens of "
+            raise InputError(f"mtp_forward: hidden must be [B, T, hidden_size] = {list(want)} for next_tokens of "
                              f"shape {list(next_tokens.shape)}, found {list(jnp.shape(hidden))}")
         with self.mesh_context():
             return apply_mtp_forward(self.config, self.dtype, self.layout, self.params, jnp.asarray(hidden, self.dtype),

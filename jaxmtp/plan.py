@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.decoding import Inputs, Static, advance, start
+from jaxmtp.errors import InputError
 from jaxmtp.generation import ALL_STEPS, prompt_width
 from jaxmtp.generation_config import DEFAULT_PREFILL_CHUNK
 from jaxmtp.layout import decode_layout
@@ -183,7 +184,7 @@ def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: floa
     longest = config.max_position_embeddings - k - 1
     short, long_ = 4 * CONTEXT_STEP, min(32 * CONTEXT_STEP, longest)
     if long_ <= short:
-        raise ValueError(f"fit: max_position_embeddings {config.max_position_embeddings} leaves no room to search")
+        raise InputError(f"fit: max_position_embeddings {config.max_position_embeddings} leaves no room to search")
     base = total_bytes(measure(data, short))
     per_token = (total_bytes(measure(data, long_)) - base) / (data * (long_ - short))
     per_row = (total_bytes(measure(2 * data, short)) - base) / data  # at the short length

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmtp.errors import InputError
 from pallas_kernels import act_quant, backend, fp8_block_matmul, fp8_grouped_matmul
 
 # Parameters stored in FP8 by the published checkpoints: every attention and FFN projection, and
@@ -99,13 +100,13 @@ def with_matmul(params, matmul: str, scale_fmt: str | None = None):
     """The parameter tree with every QuantizedWeight set to multiply by `matmul`, quantizing the
     activations with `scale_fmt` (the config's quantization.scale_fmt) where that is "fp8"."""
     if matmul not in MATMULS:
-        raise ValueError(f"matmul: expected one of {MATMULS}, found {matmul!r}")
+        raise InputError(f"matmul: expected one of {MATMULS}, found {matmul!r}")
 
     def one(leaf):
         if not isinstance(leaf, QuantizedWeight):
             return leaf
         if matmul == "fp8" and leaf.block != (128, 128):
-            raise ValueError(f"matmul='fp8' needs 128x128 weight blocks, this checkpoint has {leaf.block}")
+            raise InputError(f"matmul='fp8' needs 128x128 weight blocks, this checkpoint has {leaf.block}")
         return leaf.replace(matmul=matmul, scale_fmt=scale_fmt)
 
     return jax.tree.map(one, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))

@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxmtp.errors import InputError
+
 
 AXES = ("data", "expert", "tensor")
 RULES = (
@@ -35,7 +37,7 @@ def make_mesh(data: int = 1, expert: int = 1, tensor: int = 1, devices=None) -> 
     """A (data, expert, tensor) mesh with Auto axis types; the sizes must multiply to the device count."""
     devices = jax.devices() if devices is None else devices
     if data * expert * tensor != len(devices):
-        raise ValueError(f"make_mesh: data x expert x tensor = {data} x {expert} x {tensor} = "
+        raise InputError(f"make_mesh: data x expert x tensor = {data} x {expert} x {tensor} = "
                          f"{data * expert * tensor}, but there are {len(devices)} devices")
     return jax.make_mesh((data, expert, tensor), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
                          devices=devices)

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxmtp.errors import InputError
+
 
 class Receiver:
     """Each row's committed tokens, as they arrive.
@@ -23,7 +25,7 @@ class Receiver:
 
     def __init__(self, rows: int, tokenizer=None, stop: Sequence[str] = ()):
         if stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to decode the tokens (tokenizer=...)")
+            raise InputError("stop strings need a tokenizer to decode the tokens (tokenizer=...)")
         self.tokens: list[list[int]] = [[] for _ in range(rows)]
         self.stopped = [False] * rows
         self._tokenizer, self._stop = tokenizer, tuple(stop)
@@ -59,7 +61,7 @@ class Receiver:
         also without what may still change: a trailing partial UTF-8 character ("\\ufffd") and a
         tail that could be the start of a stop string."""
         if self._tokenizer is None:
-            raise ValueError("text: needs the tokenizer the tokens were generated with (tokenizer=...)")
+            raise InputError("text: needs the tokenizer the tokens were generated with (tokenizer=...)")
         text = self._tokenizer.decode(self.tokens[row])
         cuts = [text.find(s) for s in self._stop if s in text]
         if cuts:

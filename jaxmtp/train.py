@@ -25,6 +25,7 @@ import optax
 from tqdm.auto import tqdm
 
 from jaxmtp.data import windows
+from jaxmtp.errors import InputError
 from jaxmtp.model import Model
 from jaxmtp.params import module, positions_for
 from jaxmtp.transformer import DeepseekV3
@@ -48,7 +49,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if not 1 <= self.mtp_depth < self.seq_len or (self.mtp_depth > 1 and not self.mtp_only):
-            raise ValueError(f"mtp_depth: expected 1 <= mtp_depth < seq_len ({self.seq_len}), and > 1 only with "
+            raise InputError(f"mtp_depth: expected 1 <= mtp_depth < seq_len ({self.seq_len}), and > 1 only with "
                              f"mtp_only; found {self.mtp_depth}")
 
 

@@ -9,7 +9,7 @@ from jaxmtp import checks
 from jaxmtp.checkpoint.conversion import convert
 from jaxmtp.checkpoint.hf import load_hf
 from jaxmtp.checkpoint.save import ORBAX_META, load_orbax, save_hf, save_orbax, write_checkpoint
-from jaxmtp.errors import CheckpointError
+from jaxmtp.errors import CheckpointError, InputError
 from jaxmtp.layout import CHECKPOINT
 from jaxmtp.quant import default_matmul
 
@@ -41,9 +41,9 @@ def load(path, dtype=None, mesh=None, quantized="dequantize", check_finite=True,
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if quantized not in ("keep", "dequantize"):
-        raise ValueError(f"quantized: expected 'keep' or 'dequantize', found {quantized!r}")
+        raise InputError(f"quantized: expected 'keep' or 'dequantize', found {quantized!r}")
     if matmul is not None and quantized != "keep":
-        raise ValueError(f"matmul={matmul!r} applies to FP8 weights kept as such: pass quantized='keep'")
+        raise InputError(f"matmul={matmul!r} applies to FP8 weights kept as such: pass quantized='keep'")
     dtype = None if dtype is None else checks.float_dtype("dtype", dtype)
     if os.path.exists(os.path.join(path, ORBAX_META)):
         model = load_orbax(path, dtype, quantized, mesh)
@@ -77,10 +77,10 @@ def save(model, path, format="hf", max_shard_bytes=4 << 30, overwrite=False, ext
         the tokenizer.json that goes with the model.
     """
     if model.layout != CHECKPOINT:
-        raise ValueError(f"save: the model's parameters are in the decode layout {model.layout}; save the model "
+        raise InputError(f"save: the model's parameters are in the decode layout {model.layout}; save the model "
                          "they were converted from (checkpoints hold the checkpoint layout)")
     writers = {"hf": lambda directory: save_hf(model, directory, max_shard_bytes),
                "orbax": lambda directory: save_orbax(model, directory)}
     if format not in writers:
-        raise ValueError(f"format: expected 'hf' or 'orbax', found {format!r}")
+        raise InputError(f"format: expected 'hf' or 'orbax', found {format!r}")
     write_checkpoint(os.fspath(path), writers[format], overwrite, extra_files)

@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 from jaxmtp.checkpoint.hf import INDEX_FILE
 from jaxmtp.checkpoint.names import expected_tensors, leaf_at
 from jaxmtp.config import ModelConfig
-from jaxmtp.errors import CheckpointError
+from jaxmtp.errors import CheckpointError, InputError
 from jaxmtp.model import Model
 from jaxmtp.params import abstract_params
 from jaxmtp.quant import QuantizedWeight, is_quantized
@@ -135,7 +135,7 @@ def _copy_in(files, directory: str):
     for file in files:
         target = os.path.join(directory, os.path.basename(file))
         if os.path.lexists(target):
-            raise ValueError(f"extra file {file}: the checkpoint already has a {os.path.basename(file)} of its own")
+            raise InputError(f"extra file {file}: the checkpoint already has a {os.path.basename(file)} of its own")
         shutil.copy2(file, target)
 
 
