@@ -18,10 +18,11 @@ prior the rule tries drafting again. A segment at k > 0 after one at k = 0 first
 layer over the last AUTO_SEGMENT positions (`decoding._refill`), which writes their MTP slots (a
 segment at k = 0 does not write them) and drafts d1 from the newest one; positions further back that
 plain rounds decoded stay empty, so the drafts that attend to them may be accepted less often.
-Where no k > 0 pays, the loop runs at k = 0, whose rounds cost about a step of the plain decoding
-loop (benchmarks/auto_k0.py), so auto runs its own loop whatever the acceptance. What such a
-model still pays is the exploring: a call starts from the prior, and its first segment of
-AUTO_SEGMENT rounds runs at k = 1 wherever the prior says some k > 0 pays. The
+Where no k > 0 pays at the prior's acceptance, the auto loop would never draft, so `generate` runs
+the plain loop instead (`drafting_pays`), which is cheaper than the auto loop's own rounds at
+k = 0 (benchmarks/auto_k0.py, benchmarks/auto_vs_plain.py). Where drafting pays at the prior, a
+call's first segment of AUTO_SEGMENT rounds runs at k = 1; what a model whose drafts are rarely
+accepted then pays is that exploring (benchmarks/useless_mtp.py). The
 loop raises k by at most one per segment (jaxmtp.decoding._rounds), so a first segment, and a
 segment after rounds at k = 0, tries k = 1 whatever k the prior would pay best.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PRIOR_ACCEPTANCE = 0.7
 PRIOR_ROUNDS = 16.0
@@ -78,15 +80,20 @@ def drafting_pays(costs) -> bool:
     """Whether at the prior's acceptance some k > 0 yields more tokens per plain step than plain
     decoding does (costs [k_max + 1] in plain steps). Where none does, the auto loop would never
     draft (its counts stay at the prior), so `generate` runs the plain loop instead."""
-    expected = expected_tokens(AcceptanceCounts.zeros(len(costs) - 1).conditional())
-    return bool(jnp.max(expected[1:] / jnp.asarray(costs[1:], jnp.float32)) > 1.0)
+    expected = _prior_tokens(len(costs) - 1)
+    return bool(np.max(expected[1:] / np.asarray(costs[1:], np.float64)) > 1.0)
+
+
+def _prior_tokens(k_max: int) -> np.ndarray:
+    """E_k [k_max + 1] at the prior's acceptance, as `expected_tokens` computes it, on the host."""
+    return 1.0 + np.concatenate([[0.0], np.cumsum(np.full(k_max, PRIOR_ACCEPTANCE) ** np.arange(1, k_max + 1))])
 
 
 def plain_reason(costs) -> str:
     """Why auto decodes plainly at these round costs [k_max + 1] (plain steps), in words."""
-    expected = expected_tokens(AcceptanceCounts.zeros(len(costs) - 1).conditional())
+    expected = _prior_tokens(len(costs) - 1)
     ks = range(1, len(costs))
     return (f"a round drafting k = {', '.join(map(str, ks))} costs "
             f"{', '.join(f'{costs[k]:.2f}' for k in ks)} plain steps on this machine, and yields "
-            f"{', '.join(f'{float(expected[k]):.2f}' for k in ks)} tokens at the prior acceptance of "
+            f"{', '.join(f'{expected[k]:.2f}' for k in ks)} tokens at the prior acceptance of "
             f"{PRIOR_ACCEPTANCE:.0%}, so no k pays")

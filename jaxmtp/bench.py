@@ -70,6 +70,7 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     rows = [_row(k, outputs[k], outputs[0], totals[k], prefill_seconds[k], len(prompts), costs) for k in configs]
     decode_seconds = {k: [t - p for t, p in zip(totals[k], prefill_seconds[k])] for k in configs}
     for r, k in zip(rows, configs):  # the same tokens (asserted): time ratios are rate ratios
+        r["seconds"], r["prefill_seconds"] = totals[k], prefill_seconds[k]  # each repeat's, all prompts
         r["speedup"] = _paired_speedup(totals[0], totals[k])
         r["decode_speedup"] = _paired_speedup(decode_seconds[0], decode_seconds[k])
     fixed = [r for r in rows if r["k"] != "auto"]

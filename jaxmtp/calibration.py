@@ -65,13 +65,20 @@ def key(config_json: dict, dtype, layout, mode, batch: int, prompt_len: int, cac
 
 
 def _read() -> dict:
+    """The stored table; parsed again only when the file changed (generate reads it on every call)."""
     path = os.path.join(cache_dir(), FILE)
     try:
-        with open(path) as f:
-            table = json.load(f)
+        stamp = (path, os.stat(path).st_mtime_ns)
+        if _last_read[0] != stamp:
+            with open(path) as f:
+                table = json.load(f)
+            _last_read[:] = [stamp, table if isinstance(table, dict) else {}]
     except (OSError, ValueError):  # absent or unreadable: measure again
         return {}
-    return table if isinstance(table, dict) else {}
+    return dict(_last_read[1])
+
+
+_last_read: list = [None, {}]  # [(path, mtime), table] of the last file parsed
 
 
 def _write(table: dict):

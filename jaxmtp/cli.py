@@ -308,9 +308,15 @@ def _bench(args):
         prompts = data.prompts_from(held_out, args.prompts, args.prompt_len)
         source = f"{args.prompts} held-out standard-library prompts of {args.prompt_len} tokens"
     rows = bench.run(model, prompts, args.ks, args.max_new_tokens, args.repeats, auto=not args.no_auto)
+    figures = {"model": os.path.basename(os.path.normpath(args.model)), "prompts": source,
+               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "platform": jax.devices()[0].platform,
+               "rows": rows}
+    if args.save:
+        from jaxmtp.provenance import write
+
+        write(args.save, "bench", figures, {"seconds": {str(r["k"]): r["seconds"] for r in rows}}, args.repeats)
     if args.json:
-        print(json.dumps({"model": args.model, "prompts": source, "max_new_tokens": args.max_new_tokens,
-                          "repeats": args.repeats, "platform": jax.devices()[0].platform, "rows": rows}, indent=2))
+        print(json.dumps(figures, indent=2))
     else:
         print(f"{args.model}: {source}, batch 1, greedy, {args.max_new_tokens} new tokens each, "
               f"{jax.devices()[0].platform}; median of {args.repeats} runs, compile excluded; decode = without the "
@@ -626,6 +632,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-auto", action="store_true", help='leave out speculative_k="auto"')
     b.add_argument("--repeats", type=_positive, default=3, help="timed runs of each configuration (median taken)")
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    b.add_argument("--save", help="also write the results with their provenance (commit, versions, device, command) "
+                                  "to this JSON file, as benchmarks/results/ keeps them")
     b.add_argument("--plot", help="write acceptance-by-position and speedup-by-k plots to this image file")
 
     pl = command("plan", _plan, "per-device memory of speculative generation on a mesh (AOT compile, abstract shapes)")

@@ -435,16 +435,14 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
     row is done) at the k that `adaptive.best_k` says, but at most one more than the last segment's
     (or at force_k >= 0). The climb bounds what a wrong prior or a mispriced round costs: a call
     whose drafts are never accepted first tries k = 1, not the k that the prior's acceptance would
-    pay best (the demo's MTP layer broken, 64 new tokens per call: its first segments at k = 3 made
-    auto 0.79x of plain decoding; `python benchmarks/useless_mtp.py --max-new-tokens 64`).
+    pay best (benchmarks/useless_mtp.py measures that worst case).
 
     The auto segment is a chain, not a lax.switch between round variants: the refill of the MTP
     slots (a conditional, where k > 0), then one while loop per k, of which only the chosen k's
-    runs any round. The state flows from each into the next, so XLA updates the caches in place;
-    passed through a switch whose branches held loops, every cache was copied twice per segment
-    and the program held a second copy of them all (benchmarks/loop_memory.py). XLA:GPU reads
-    each loop's condition and the conditional's predicate on the host: four reads per segment
-    more than the switch and its loop took."""
+    runs any round. The state flows from each into the next, so XLA updates the caches in place
+    (a switch whose branches hold loops makes XLA copy every cache twice per segment;
+    tests/test_generate.py checks the compiled loop holds no such copy). XLA:GPU reads each
+    loop's condition and the conditional's predicate on the host."""
     if not static.auto:
         return decode_round(static, static.k, params, state, inputs)
     k = jnp.minimum(best_k(state.counts, inputs.costs), state.segment_k + 1)
@@ -456,7 +454,7 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
 
     # A conditional, not a loop run once: XLA would hoist the pass's projections out of such a loop
     # into every segment, k = 0 included. After a segment at k > 0 its last repair has written the
-    # MTP slots and drafted d1 as the refill would (the demo's rounds at k = 1: 0.96x the time).
+    # MTP slots and drafted d1 as the refill would, so the next segment skips the refill.
     state = jax.lax.cond((k > 0) & state.stale_draft, refill, lambda state: state, state)
     for j in range(static.k + 1):
         step = lambda carry, j=j: (carry[0] + 1, decode_round(static, j, params, carry[1], inputs))  # noqa: E731

@@ -10,6 +10,7 @@ sampling values, seed) is traced.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator
 
@@ -133,7 +134,7 @@ class Prepared:
     def plain(self) -> "Prepared":
         """The same batch for the plain decoding loop (k = 0, no auto)."""
         static = dataclasses.replace(self.static, k=0, auto=False)
-        inputs = self.inputs.replace(costs=jnp.ones((1,), jnp.float32), force_k=jnp.int32(-1))
+        inputs = self.inputs.replace(costs=np.ones((1,), np.float32), force_k=np.int32(-1))
         return dataclasses.replace(self, static=static, inputs=inputs)
 
     def limited(self, new_tokens: int) -> Inputs:
@@ -149,8 +150,7 @@ class Prepared:
 
     def cost_key(self) -> str:
         s, prompt = self.static, self.inputs.prompt
-        return calibration.key(s.config.to_hf_config(), s.dtype, s.layout, s.mode, prompt.shape[0], prompt.shape[1],
-                               s.cache_len, s.k)
+        return _cost_key(s, prompt.shape[0], prompt.shape[1])
 
     def run(self, inputs: Inputs | None = None) -> DecodeState:
         """The compiled loop on `inputs` (default the prepared ones), to the end."""
@@ -184,6 +184,13 @@ class Prepared:
             yield new
             if finished:  # chunks still queued run no step: every row is done
                 return state
+
+
+@functools.lru_cache(maxsize=64)
+def _cost_key(static: Static, batch: int, width: int) -> str:
+    """calibration.key for a loop's static configuration and buckets (kept: generate asks on every call)."""
+    s = static
+    return calibration.key(s.config.to_hf_config(), s.dtype, s.layout, s.mode, batch, width, s.cache_len, s.k)
 
 
 def _fetch(arrays):

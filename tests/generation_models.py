@@ -22,7 +22,7 @@ import jaxmtp
 
 # A dense layer and two MoE layers (the shipped tiny config has three): every layer kind and a
 # stack of more than one; the auto and one-trace tests ran in 0.89-0.94 of their time with four.
-TINY = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json").replace(num_hidden_layers=3)
+TINY = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").replace(num_hidden_layers=3)
 OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
 CONTEXT = 0.7  # scale of the attention/FFN contributions in the "partial" model: ~60% acceptance
 

@@ -38,7 +38,7 @@ def _random_model(config, seed):
 
 @pytest.fixture(scope="module")
 def models():
-    config = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json")
+    config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json")
     return _random_model(config, 0), _random_model(config, 1)
 
 

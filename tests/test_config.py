@@ -8,7 +8,7 @@ from transformers import DeepseekV3Config
 import jaxmtp
 from jaxmtp import ConfigError, ModelConfig
 
-V3_PATH = "configs/deepseek_v3_671b.json"
+V3_PATH = f"{jaxmtp.CONFIGS}/deepseek_v3_671b.json"
 
 
 def v3_dict():

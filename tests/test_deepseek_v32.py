@@ -188,7 +188,7 @@ def test_fp8_checkpoint_generates_what_its_full_forward_predicts(tmp_path):
 
 
 def test_published_config_loads_counts_and_round_trips():
-    config = jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v32_671b.json")
+    config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/deepseek_v32_671b.json")
     assert (config.index_n_heads, config.index_head_dim, config.index_topk) == (64, 128, 2048)
     assert config.quantization.scale_fmt == "ue8m0" and config.has_mtp
     raw = config.to_hf_config()
@@ -197,7 +197,7 @@ def test_published_config_loads_counts_and_round_trips():
     hf = ref.DeepseekV32Config(**{k: v for k, v in raw.items() if k != "quantization_config"})
     assert (hf.index_topk, hf.num_hidden_layers, hf.q_lora_rank) == (2048, 61, 1536)
     counts = parameter_counts(config)
-    v3 = parameter_counts(jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v3_671b.json"))
+    v3 = parameter_counts(jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/deepseek_v3_671b.json"))
     per_layer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64  # wq_b, wk, k_norm, weights_proj
     assert counts["main"] - v3["main"] == 61 * per_layer and counts["mtp_unique"] - v3["mtp_unique"] == per_layer
 
@@ -210,7 +210,7 @@ def test_published_config_loads_counts_and_round_trips():
     (dict(mlp_layer_types=["sparse"] * 61), "mlp_layer_types"),
 ])
 def test_bad_indexer_fields_are_named(change, message):
-    with open("configs/deepseek_v32_671b.json") as f:
+    with open(f"{jaxmtp.CONFIGS}/deepseek_v32_671b.json") as f:
         raw = json.load(f)
     with pytest.raises(ConfigError, match=message):
         jaxmtp.ModelConfig.from_hf_config(dict(raw, **change))
@@ -219,7 +219,7 @@ def test_bad_indexer_fields_are_named(change, message):
 def test_cache_holds_the_index_keys():
     from jaxmtp.cache import bytes_per_token
 
-    config = jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v32_671b.json")
+    config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/deepseek_v32_671b.json")
     assert bytes_per_token(config) == (512 + 64 + 128) * 2
 
 

@@ -8,7 +8,7 @@ from jaxmtp.layout import CHECKPOINT
 from jaxmtp.model import apply_forward, apply_mtp_forward
 from jaxmtp.params import abstract_params, parameter_counts
 
-V3 = jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v3_671b.json")
+V3 = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/deepseek_v3_671b.json")
 
 
 def spec_table_counts():

@@ -20,7 +20,7 @@ KIMI_TINY = dict(ref.BASE, n_group=1, topk_group=1, routed_scaling_factor=2.827,
 
 
 def test_published_config_loads_and_counts_about_a_trillion():
-    config = jaxmtp.ModelConfig.from_hf_config("configs/kimi_k2.json")
+    config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/kimi_k2.json")
     assert config.model_type == "kimi_k2" and not config.has_mtp
     sizes = (config.n_routed_experts, config.num_attention_heads, config.n_group, config.vocab_size)
     assert sizes == (384, 64, 1, 163840)
@@ -30,7 +30,7 @@ def test_published_config_loads_and_counts_about_a_trillion():
 
 
 def test_other_model_types_are_refused_with_the_supported_ones():
-    raw = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json").to_hf_config()
+    raw = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").to_hf_config()
     for model_type in ("deepseek_v2", "llama", None):
         with pytest.raises(ConfigError, match=r"model_type: expected one of 'deepseek_v3', 'kimi_k2', 'deepseek_v32'"):
             jaxmtp.ModelConfig.from_hf_config(dict(raw, model_type=model_type))

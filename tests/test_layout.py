@@ -84,8 +84,8 @@ def test_absorbed_queries_are_the_query_projection_times_w_uk(q_lora_rank):
 
 def test_queries_are_absorbed_where_that_stores_no_more_numbers():
     """[Q, H * (C + R)] against [Q, H * (N + R)] plus W_uk [H, N, C]."""
-    demo = jaxmtp.ModelConfig.from_hf_config("configs/demo.json")  # 64*4*80 = 64*4*48 + 4*32*64
-    v3 = jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v3_671b.json")  # 2.5x: stays apart
+    demo = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/demo.json")  # 64*4*80 = 64*4*48 + 4*32*64
+    v3 = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/deepseek_v3_671b.json")  # 2.5x: stays apart
     assert absorbing_is_no_larger(demo) and not absorbing_is_no_larger(v3)
     assert not absorbing_is_no_larger(demo.replace(kv_lora_rank=65))
     params = gm.model("random").params

@@ -192,7 +192,7 @@ def test_non_finite_weights_rejected(saved, tmp_path):
 
 
 def test_non_finite_orbax_parameter_rejected(tmp_path):
-    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config("configs/tiny.json"))
+    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json"))
     params = dict(model.params, norm={"weight": model.params["norm"]["weight"].at[3].set(np.inf)})
     jaxmtp.save(jaxmtp.Model(model.config, params), tmp_path / "orbax", format="orbax")
     with pytest.raises(CheckpointError, match=r"parameter \['norm'\]\['weight'\] contains NaN or Inf"):

@@ -12,7 +12,7 @@ from jaxmtp import layout, mla
 from jaxmtp.cache import MLACache
 from jaxmtp.mla import MLA
 
-CONFIG = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json")
+CONFIG = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json")
 PROMPTS = [np.random.default_rng(1).integers(0, gm.TINY.vocab_size, n).tolist() for n in (70, 33, 5)]
 
 

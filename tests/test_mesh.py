@@ -176,7 +176,7 @@ def test_fp8_dequantized_on_a_mesh_cuts_through_scale_blocks(tmp_path):
 def test_plan_compiles_speculative_generation_for_an_emulated_mesh():
     from jaxmtp.plan import plan
 
-    config = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json")
+    config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json")
     figures = plan(config, data=2, expert=2, tensor=2, batch=4, max_len=128, prompt_len=16, k=2)
     layers = config.num_hidden_layers + config.num_nextn_predict_layers
     assert figures["cache_bytes_per_device"] == layers * 2 * 128 * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
@@ -190,10 +190,10 @@ def test_plan_compiles_speculative_generation_for_an_emulated_mesh():
 def test_plan_fit_finds_contexts_that_fit_and_no_much_longer_one():
     from jaxmtp.plan import fit, plan, total_bytes
 
-    config = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json").replace(max_position_embeddings=65536)
+    config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").replace(max_position_embeddings=65536)
     capacity = 60e6
-    results = fit(config, data=2, expert=2, tensor=2, capacity=capacity, k=2, rows=2)
-    assert [r["batch"] for r in results] == [2, 4]
+    results = fit(config, data=2, expert=2, tensor=2, capacity=capacity, k=2, rows=1)  # one batch: compiles cost
+    assert [r["batch"] for r in results] == [2]
     assert all(total_bytes(r) <= capacity and r["prompt_len"] == r["cache_len"] for r in results)
     longer = plan(config, 2, 2, 2, batch=2, max_len=results[0]["cache_len"] * 5 // 4,
                   prompt_len=results[0]["cache_len"] * 5 // 4, k=2)

@@ -14,7 +14,7 @@ from jaxmtp.layout import prefix_lengths
 from jaxmtp.mla import MLA
 from jaxmtp.params import module
 
-CONFIG = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json")
+CONFIG = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json")
 
 
 def _relative_error(a, b):
@@ -94,6 +94,6 @@ def test_prefix_attention_decode_equals_uncached_forward(monkeypatch, batch, abs
 
 
 def test_cache_bytes_per_token_for_deepseek_v3():
-    v3 = jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v3_671b.json")
+    v3 = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/deepseek_v3_671b.json")
     assert v3.cache_width == 576  # 512 latent + 64 rope key, spec section 6.3
     assert bytes_per_token(v3, jnp.bfloat16) == 1152

@@ -6,7 +6,7 @@ import pytest
 import jaxmtp
 from jaxmtp.rope import attention_factor, inverse_frequencies
 
-V3 = jaxmtp.ModelConfig.from_hf_config("configs/deepseek_v3_671b.json")
+V3 = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/deepseek_v3_671b.json")
 
 
 def test_v3_softmax_scale():
@@ -30,7 +30,7 @@ def test_rope_rotates_interleaved_pairs():
 
     from jaxmtp.rope import apply_rope
 
-    cfg = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json")
+    cfg = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json")
     dim = cfg.qk_rope_head_dim
     x = np.zeros((1, 1, dim), np.float32)
     x[..., 2] = 1.0  # pair 1, first component

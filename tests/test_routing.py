@@ -34,7 +34,7 @@ def reference_route(logits, bias, n_group, topk_group, top_k, norm, scale):
 def test_routing_matches_reference(seed, n_group, norm, negative_bias):
     experts_total, top_k = 32, 4
     topk_group = max(1, n_group // 2)
-    cfg = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json").replace(
+    cfg = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").replace(
         n_routed_experts=experts_total, n_group=n_group, topk_group=topk_group, num_experts_per_tok=top_k,
         norm_topk_prob=norm, routed_scaling_factor=2.5)
     rng = np.random.default_rng(seed)

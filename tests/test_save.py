@@ -39,13 +39,13 @@ def test_hf_round_trip_to_transformers_and_back(tmp_path):
 
 
 def test_orbax_round_trip_is_bit_exact(tmp_path):
-    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config("configs/tiny.json"), seed=2, dtype="bfloat16")
+    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json"), seed=2, dtype="bfloat16")
     jaxmtp.save(model, tmp_path / "orbax", format="orbax")
     _assert_bit_exact(model, jaxmtp.load(tmp_path / "orbax"))
 
 
 def test_orbax_restores_into_requested_dtype(tmp_path):
-    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config("configs/tiny.json"), seed=3, dtype="float32")
+    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json"), seed=3, dtype="float32")
     jaxmtp.save(model, tmp_path / "orbax", format="orbax")
     restored = jaxmtp.load(tmp_path / "orbax", dtype="bfloat16")
     _assert_bit_exact(_cast(model, "bfloat16"), restored)
@@ -54,7 +54,7 @@ def test_orbax_restores_into_requested_dtype(tmp_path):
 def test_convert_cli_hf_to_orbax_and_back(tmp_path):
     from jaxmtp.cli import main
 
-    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config("configs/tiny.json"), seed=5, dtype="bfloat16")
+    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json"), seed=5, dtype="bfloat16")
     jaxmtp.save(model, tmp_path / "hf", format="hf")
     main(["convert", str(tmp_path / "hf"), str(tmp_path / "orbax"), "--format", "orbax"])
     main(["convert", str(tmp_path / "orbax"), str(tmp_path / "hf32"), "--format", "hf", "--dtype", "float32"])

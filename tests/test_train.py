@@ -13,7 +13,7 @@ from jaxmtp.params import module, positions_for
 from jaxmtp.train import TrainConfig, chained_distillation, distillation, forward_losses, train, update_biases
 from jaxmtp.transformer import DeepseekV3
 
-TINY = jaxmtp.ModelConfig.from_hf_config("configs/tiny.json")
+TINY = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json")
 
 
 def _periodic_tokens(period=7, length=4000, seed=0):
