@@ -59,7 +59,8 @@ def bench_section(name: str, title: str) -> str:
     if auto is not None:
         costs = " ".join(f"{c:.2f}" for c in auto["round_costs"]) if auto.get("round_costs") else "-"
         by_k = ", ".join(f"k = {k}: {n}" for k, n in auto["rounds_by_k"].items())
-        note = (f"\n\nAuto's calibrated round costs (k = 0..4, plain steps): {costs}; its rounds: {by_k}; "
+        note = (f"\n\nAuto's calibrated round costs (k = 0..{len(auto.get('round_costs') or [0]) - 1}, plain steps): "
+                f"{costs}; its rounds: {by_k}; "
                 f"auto ran at {auto['vs_best']:.2f}x the speed of the fastest setting (k = {auto['best']}).")
     return (f"### {title}\n\n{f['model']}, {f['prompts']}, batch 1, greedy, {f['max_new_tokens']} new tokens each; "
             f"medians; decode = without the prefill; cost = a round in plain steps.\n\n"
@@ -76,7 +77,8 @@ def auto_section() -> str:
     chose = "the plain loop" if f["auto_chose_plain"] else "to draft"
     return ("### Auto where speculation cannot pay\n\n"
             f"User-level `generate` calls, {f['prompts']} held-out prompts, {f['max_new_tokens']} new tokens, auto and "
-            f"plain alternating. Round costs k = 0..4 {'(forced)' if f['costs_forced'] else '(calibrated)'}: {costs}; "
+            f"plain alternating. Round costs k = 0..{len(f['round_costs']) - 1} "
+            f"{'(forced)' if f['costs_forced'] else '(calibrated)'}: {costs}; "
             f"auto chose {chose}.\n\n"
             + table(["plain tokens/s", "auto tokens/s", "auto / plain"],
                     [[f"{f['plain_tokens_per_s']:.0f}", f"{f['auto_tokens_per_s']:.0f}", f"{f['auto_over_plain']:.3f}"]])

@@ -78,10 +78,12 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
         if r["k"] == "auto":
             best = max(fixed, key=lambda f: f["speedup"])["k"]
             decode_best = max(fixed, key=lambda f: f["decode_speedup"])["k"]
-            r.update(ideal_speedup=max(f["ideal_speedup"] for f in fixed), round_costs=costs, best=best,
+            ideals = [f["ideal_speedup"] for f in fixed if f["ideal_speedup"] is not None]
+            r.update(ideal_speedup=max(ideals), round_costs=costs, best=best,
                      vs_best=_paired_speedup(totals[best], totals["auto"]), decode_best=decode_best,
                      decode_vs_best=_paired_speedup(decode_seconds[decode_best], decode_seconds["auto"]))
-        r["achieved_over_ideal"] = r["decode_speedup"] / r["ideal_speedup"]
+        # (a fixed k past auto's largest has no calibrated cost, so no ideal)
+        r["achieved_over_ideal"] = r["decode_speedup"] / r["ideal_speedup"] if r["ideal_speedup"] else None
     return rows
 
 
@@ -135,6 +137,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         cost = f"{r['round_cost']:.2f}" if r["round_cost"] else "-"
         ideal = f"{r['ideal_speedup']:.2f}x" if r["ideal_speedup"] else "-"
+        achieved = f"{r['achieved_over_ideal']:.2f}" if r["achieved_over_ideal"] is not None else "-"
         per_position = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
         detail = per_position
         if r["k"] == "auto":
@@ -142,7 +145,7 @@ def table(rows: list[dict]) -> str:
             detail = f"costs {costs}; " + " ".join(f"k={j}:{n}" for j, n in r["rounds_by_k"].items()) + " / " + detail
         lines.append(f"{r['k']!s:>4} {r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {r['decode_tokens_per_s']:>9.1f} "
                      f"{r['decode_speedup']:>7.2f}x {cost:>5} {r['acceptance_rate']:>7.3f} "
-                     f"{r['mean_accepted_length']:>8.2f} {ideal:>6} {r['achieved_over_ideal']:>9.2f}  {detail}")
+                     f"{r['mean_accepted_length']:>8.2f} {ideal:>6} {achieved:>9}  {detail}")
     for r in rows:
         if r["k"] == "auto":
             lines.append(f"auto against the fastest of the others (median of the repeats' paired ratios): "

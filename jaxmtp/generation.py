@@ -28,7 +28,10 @@ from jaxmtp.sampling import SamplingMode, SamplingParams
 from jaxmtp.stats import GenerationStats
 
 MAX_SPECULATIVE_K = 8
-AUTO_MAX_K = 4  # speculative_k="auto" chooses among k = 0..AUTO_MAX_K
+# speculative_k="auto" chooses among k = 0..AUTO_MAX_K. Each k is a round variant the auto loop
+# compiles and calibration times; k = 4 was the fastest fixed k in no `jaxmtp bench` run of the demo
+# (docs/performance.md), so it costs a first run its compile and measuring for nothing.
+AUTO_MAX_K = 3
 # Streaming runs the loop in chunks of loop steps: 1, 2, 4, ... until a chunk takes this long, so
 # that the first tokens come after the prefill and one round, and the later chunks' cost of a host
 # round trip (about half a millisecond on a CPU) is small beside their run time.

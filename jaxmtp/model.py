@@ -45,8 +45,8 @@ class Model:
         if self.layout != CHECKPOINT:
             raise InputError(f"with_layout: converts from the checkpoint layout only; this model is in {self.layout}")
         converted = partial(convert, layout=layout, config=self.config)
-        if self.mesh is None:  # op by op: compiling the whole conversion as one program takes longer
-            return dataclasses.replace(self, params=converted(self.params), layout=layout)
+        if self.mesh is None:  # op by op: the first and later runs of the README command start sooner
+            return dataclasses.replace(self, params=converted(self.params), layout=layout)  # (compile_cache.py)
         with self.mesh_context():
             params = jax.jit(converted)(self.params)
         return dataclasses.replace(self, params=params, layout=layout)

@@ -2,7 +2,7 @@
 
 Loads the demo model, compiles the auto loop and the plain loop for one prompt's buckets (not
 timed), then calibrates --repeats times, each with an empty JAXMTP_CACHE_DIR (as on a new
-machine); prints each calibration's seconds and round costs (k = 0..4, in plain steps) and the
+machine); prints each calibration's seconds and round costs (k = 0..3, in plain steps) and the
 medians. With --tree, the jaxmtp of another checkout is measured (to compare two trees, run it
 once on each, alternately).
 
