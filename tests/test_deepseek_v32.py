@@ -57,7 +57,7 @@ def test_logits_hidden_and_mtp_logits_match_transformers(pair):
 
 # The speculative settings each config also runs (the property test below covers k = 1..4 on more
 # prompts; each setting compiles its own loop).
-SPECULATIVE = {"v32_yarn_groups": (1, 4), "v32_default_rope": (2, "auto"), "v32_attention_factor": (3,)}
+SPECULATIVE = {"v32_yarn_groups": (1, 4), "v32_default_rope": (2,), "v32_attention_factor": (3,)}
 
 
 def test_greedy_generate_matches_transformers_generate(pair):
@@ -78,7 +78,7 @@ def test_greedy_generate_matches_transformers_generate(pair):
         assert got.tokens == expected, k
 
 
-@settings(max_examples=5, deadline=None, derandomize=True)
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(kind=st.sampled_from(["partial", "random"]), k=st.integers(1, 4),
        prompts=st.lists(st.lists(st.integers(0, V32_TINY.vocab_size - 1), min_size=1, max_size=20),
                         min_size=3, max_size=4))

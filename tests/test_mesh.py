@@ -192,9 +192,9 @@ def test_plan_fit_finds_contexts_that_fit_and_no_much_longer_one():
 
     config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").replace(max_position_embeddings=65536)
     capacity = 60e6
-    results = fit(config, data=2, expert=2, tensor=2, capacity=capacity, k=2, rows=1)  # one batch: compiles cost
-    assert [r["batch"] for r in results] == [2]
+    results = fit(config, data=2, expert=1, tensor=1, capacity=capacity, k=2, rows=1)  # few devices, one batch:
+    assert [r["batch"] for r in results] == [2]  # compiles are what this test costs
     assert all(total_bytes(r) <= capacity and r["prompt_len"] == r["cache_len"] for r in results)
-    longer = plan(config, 2, 2, 2, batch=2, max_len=results[0]["cache_len"] * 5 // 4,
+    longer = plan(config, 2, 1, 1, batch=2, max_len=results[0]["cache_len"] * 5 // 4,
                   prompt_len=results[0]["cache_len"] * 5 // 4, k=2)
     assert total_bytes(longer) > capacity
