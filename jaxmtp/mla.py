@@ -151,7 +151,8 @@ class MLA(nn.Module):
         indices, chosen = indexer.top_keys(c, scores)  # [B, T, K]
         gather = jax.vmap(lambda slots, rows: slots[rows])  # [S, W], [T, K] -> [T, K, W] per batch row
         dtype = q_nope.dtype
-        keys = [gather(a, indices).astype(dtype).reshape((b * t, indices.shape[-1], -1)) for a in (cache.c_kv, cache.k_pe)]
+        keys = [gather(a, indices).astype(dtype).reshape((b * t, indices.shape[-1], -1))
+                for a in (cache.c_kv, cache.k_pe)]
         rows = lambda a: a.reshape((b * t, 1) + a.shape[2:])  # noqa: E731  (each query its own batch row)
         out = attend(rows(q_nope), rows(q_pe), *keys, chosen.reshape(b * t, 1, -1))
         return out.reshape((b, t) + out.shape[2:])
