@@ -29,6 +29,8 @@ segment after rounds at k = 0, tries k = 1 whatever k the prior would pay best.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -84,9 +86,11 @@ def drafting_pays(costs) -> bool:
     return bool(np.max(expected[1:] / np.asarray(costs[1:], np.float64)) > 1.0)
 
 
+@functools.cache
 def _prior_tokens(k_max: int) -> np.ndarray:
-    """E_k [k_max + 1] at the prior's acceptance, as `expected_tokens` computes it, on the host."""
-    return 1.0 + np.concatenate([[0.0], np.cumsum(np.full(k_max, PRIOR_ACCEPTANCE) ** np.arange(1, k_max + 1))])
+    """E_k [k_max + 1] at the prior's acceptance (`expected_tokens` of empty counts), computed once
+    per k_max: generate asks on every call."""
+    return np.asarray(expected_tokens(AcceptanceCounts.zeros(k_max).conditional()), np.float64)
 
 
 def plain_reason(costs) -> str:

@@ -91,7 +91,12 @@ def _write(table: dict):
     os.replace(tmp, os.path.join(directory, FILE))
 
 
-def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], float], k_max: int) -> list[float]:
+def _nothing():
+    pass
+
+
+def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], float], k_max: int,
+            warmed: Callable[[], None] = _nothing) -> list[float]:
     """Round costs in plain steps for k = 0..k_max.
 
     plain_seconds() runs about ROUNDS steps of the plain decoding loop and round_seconds(k) about
@@ -106,7 +111,8 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
     one more MTP pass), so a median below the cost at k - 1 is the machine's noise and is raised to
     that bound. The round at k = 0 has no bound against the plain step: it can cost less than one
     (benchmarks/auto_k0.py)."""
-    plain_seconds(), round_seconds(0)  # first calls: warm-up
+    plain_seconds(), round_seconds(0)  # first calls: warm-up (they compile the loops)
+    warmed()
     ratios = {k: [] for k in range(k_max + 1)}
     for _ in range(REPEATS):
         before = plain_seconds()
@@ -128,12 +134,13 @@ def stored(cache_key: str, k_max: int) -> list[float] | None:
 
 
 def round_costs(cache_key: str, plain_seconds: Callable[[], float], round_seconds: Callable[[int], float],
-                k_max: int) -> list[float]:
-    """The stored costs for this key, or measured now (see `measure`) and stored."""
+                k_max: int, warmed: Callable[[], None] = _nothing) -> list[float]:
+    """The stored costs for this key, or measured now (see `measure`; warmed() is called once the
+    warm-up has compiled the loops) and stored."""
     known = stored(cache_key, k_max)
     if known is not None:
         return known
-    costs = measure(plain_seconds, round_seconds, k_max)
+    costs = measure(plain_seconds, round_seconds, k_max, warmed)
     table = _read()
     table[cache_key] = costs
     _write(table)

@@ -275,14 +275,11 @@ def calibrated(prepared: Prepared, progress=_silent) -> Prepared:
     if not prepared.static.auto:
         return prepared
     key, k_max = prepared.cost_key(), prepared.static.k
-    costs = calibration.stored(key, k_max)
-    if costs is None:
-        plain, rounds = calibration_runs(prepared)
+    if calibration.stored(key, k_max) is None:
         progress(COMPILING)
-        plain(), rounds(0)  # compile both loops
-        progress(f"measuring what a round drafting k = 0..{k_max} tokens costs on this machine (once per machine, "
+    measuring = (f"measuring what a round drafting k = 0..{k_max} tokens costs on this machine (once per machine, "
                  "model and shape)")
-        costs = calibration.round_costs(key, plain, rounds, k_max)
+    costs = calibration.round_costs(key, *calibration_runs(prepared), k_max, warmed=lambda: progress(measuring))
     prepared = prepared.with_costs(costs)
     return prepared if adaptive.drafting_pays(costs) else dataclasses.replace(prepared.plain(), chose_plain=True)
 
