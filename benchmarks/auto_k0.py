@@ -36,7 +36,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json"))
     prompt = tokenizer.encode("def fibonacci(n):").ids
     if args.prompt_len:
-        prompt = data.prompts_from(data.encode(tokenizer, data.read(data.source_files()[1])), 1, args.prompt_len)[0]
+        prompt = data.held_out_prompts(tokenizer, 1, args.prompt_len)[0]
     for batch in map(int, args.batch.split(",")):
         for new in map(int, args.new_tokens.split(",")):
             auto = prepare(model, [prompt] * batch, max_new_tokens=new, speculative_k="auto", eos_token_id=None)

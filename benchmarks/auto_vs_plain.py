@@ -39,8 +39,7 @@ def main():
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json"))
-    prompts = data.prompts_from(data.encode(tokenizer, data.read(data.source_files()[1])), args.prompts,
-                                args.prompt_len)
+    prompts = data.held_out_prompts(tokenizer, args.prompts, args.prompt_len)
     settings = {"plain": 0, "auto": "auto"}
     call = lambda k, p: jaxmtp.generate(model, [p], max_new_tokens=args.max_new_tokens, speculative_k=k,  # noqa: E731
                                         eos_token_id=None)

@@ -23,7 +23,7 @@ def main():
     args = parser.parse_args()
     model = jaxmtp.load(args.model, quiet=True)
     tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
-    tokens = data.encode(tokenizer, data.read(data.source_files()[1]))
+    tokens = data.held_out_tokens(tokenizer)
     r = evaluate(model, tokens)
     print(f"held out: {', '.join(data.HELD_OUT_MODULES)} ({r['tokens']:,} tokens scored)")
     print(f"main model      loss {r['main_loss']:.3f}  perplexity {r['main_perplexity']:7.1f}  top-1 {r['main_top1']:.3f}")

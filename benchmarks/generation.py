@@ -34,7 +34,7 @@ def python_loop_seconds(model, prompts, repeats, **kwargs) -> tuple[list[float],
 
     def run():
         state = first(static, params, inputs)
-        while not bool(jnp.all(state.done)):
+        while not bool(jnp.all(state.tokens.done)):
             state = step(static, static.k, params, state, inputs)
         return jax.block_until_ready(state)
 
@@ -44,7 +44,7 @@ def python_loop_seconds(model, prompts, repeats, **kwargs) -> tuple[list[float],
         start = time.perf_counter()
         state = run()
         seconds.append(time.perf_counter() - start)
-    seq, count = np.asarray(state.seq), np.asarray(state.count)
+    seq, count = np.asarray(state.tokens.seq), np.asarray(state.tokens.count)
     tokens = [seq[i, prepared.lengths[i]:prepared.lengths[i] + count[i]].tolist() for i in range(prepared.n)]
     return seconds, tokens
 

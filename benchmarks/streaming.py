@@ -51,7 +51,7 @@ def main() -> None:
 
     model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
     tokenizer = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json"))
-    prompts = data.prompts_from(data.encode(tokenizer, data.read(data.source_files()[1])), args.prompts, args.prompt_len)
+    prompts = data.held_out_prompts(tokenizer, args.prompts, args.prompt_len)
     print(f"demo model, {len(prompts)} held-out prompts of {args.prompt_len} tokens, each alone, greedy, "
           f"{args.max_new_tokens} new tokens; median of {args.repeats} alternating runs")
     for k in (int(k) for k in args.ks.split(",")):

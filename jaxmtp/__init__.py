@@ -3,7 +3,7 @@
 import os
 
 from jaxmtp.checkpoint import load, save
-from jaxmtp.config import ModelConfig
+from jaxmtp.config import CONFIGS, ModelConfig
 from jaxmtp.errors import ArgumentTypeError, CheckpointError, ConfigError, InputError
 from jaxmtp.generation import GenerationOutput, TokenStream, generate, generate_stream
 from jaxmtp.generation_config import GenerationConfig
@@ -14,9 +14,6 @@ from jaxmtp.stats import GenerationStats
 # The bundled demo checkpoint (HF layout + tokenizer.json): a small DeepSeek-V3 with its MTP layer,
 # trained on the Python standard library's source; see demo_model/README.md.
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
-# The configs shipped with the package (tiny, demo, deepseek_v3_671b, deepseek_v32_671b, kimi_k2), found from any
-# working directory; the repository's configs/ links here.
-CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 __all__ = ["ArgumentTypeError", "CONFIGS", "DEMO_MODEL", "CheckpointError", "ConfigError", "GenerationConfig",
            "GenerationOutput", "GenerationStats", "InputError", "Model", "ModelConfig", "TokenStream", "generate",

@@ -15,7 +15,7 @@ Every round is an exact verification whatever its k, so switching k keeps greedy
 to plain decoding and sampled output exactly distributed. Rounds at k = 0 draft nothing, measure
 nothing and leave the MTP cache as it is; once decay has brought the counts back towards the
 prior the rule tries drafting again. A segment at k > 0 after one at k = 0 first runs the MTP
-layer over the last AUTO_SEGMENT positions (`decoding._refill`), which writes their MTP slots (a
+layer over the last AUTO_SEGMENT positions (`decoding.refill_drafts`), which writes their MTP slots (a
 segment at k = 0 does not write them) and drafts d1 from the newest one; positions further back that
 plain rounds decoded stay empty, so the drafts that attend to them may be accepted less often.
 Where no k > 0 pays at the prior's acceptance, the auto loop would never draft, so `generate` runs

@@ -16,6 +16,7 @@ round at k = 0 costs about that step (benchmarks/auto_k0.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -95,6 +96,20 @@ def _nothing():
     pass
 
 
+def _warm_up(*runs: Callable):
+    """The first call of each run, which compiles its loop. In one process the loops compile side
+    by side, in threads (XLA compiles outside the GIL), which shortens the first `jaxmtp generate`
+    on a machine (benchmarks/compile_cache.py times it). Several processes run them in turn, so
+    that every process launches its collectives in the same order."""
+    if jax.process_count() > 1:
+        for run in runs:
+            run()
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        for future in [pool.submit(run) for run in reversed(runs)]:  # the slowest to compile first
+            future.result()
+
+
 def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], float], k_max: int,
             warmed: Callable[[], None] = _nothing) -> list[float]:
     """Round costs in plain steps for k = 0..k_max.
@@ -111,7 +126,7 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
     one more MTP pass), so a median below the cost at k - 1 is the machine's noise and is raised to
     that bound. The round at k = 0 has no bound against the plain step: it can cost less than one
     (benchmarks/auto_k0.py)."""
-    plain_seconds(), round_seconds(0)  # first calls: warm-up (they compile the loops)
+    _warm_up(plain_seconds, lambda: round_seconds(0))
     warmed()
     ratios = {k: [] for k in range(k_max + 1)}
     for _ in range(REPEATS):

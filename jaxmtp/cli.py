@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -16,6 +17,7 @@ import numpy as np
 
 import jaxmtp
 from jaxmtp import DEMO_MODEL, checks
+from jaxmtp.config import config_file
 from jaxmtp.errors import ArgumentTypeError, CheckpointError, ConfigError, InputError
 from jaxmtp.generation import MAX_SPECULATIVE_K
 from jaxmtp.generation_config import DEFAULT_PREFILL_CHUNK
@@ -61,17 +63,10 @@ _CONFIG_HELP = ("HF config.json (file or directory), or the name of a config shi
                 + ", ".join(sorted(name.removesuffix(".json") for name in os.listdir(jaxmtp.CONFIGS))))
 
 
-def _config_path(path: str) -> str:
-    """`path` itself, or for the name of a config shipped in jaxmtp.CONFIGS (e.g. "deepseek_v3_671b")
-    that file, so that commands work from any directory."""
-    packaged = os.path.join(jaxmtp.CONFIGS, path.removesuffix(".json") + ".json")
-    return packaged if not os.path.exists(path) and os.sep not in path and os.path.exists(packaged) else path
-
-
 def _config(path: str, flag: str = "--config"):
     from jaxmtp.config import ModelConfig
 
-    path = _config_path(path)
+    path = config_file(path)
     with _reading(flag, path):
         return ModelConfig.from_hf_config(path)
 
@@ -304,8 +299,7 @@ def _bench(args):
         if tokenizer is None:
             raise UsageError(f"--model {args.model}: no tokenizer.json to encode the held-out prompts; pass "
                              "prompts with --tokens")
-        held_out = data.encode(tokenizer, data.read(data.source_files()[1]))
-        prompts = data.prompts_from(held_out, args.prompts, args.prompt_len)
+        prompts = data.held_out_prompts(tokenizer, args.prompts, args.prompt_len)
         source = f"{args.prompts} held-out standard-library prompts of {args.prompt_len} tokens"
     rows = bench.run(model, prompts, args.ks, args.max_new_tokens, args.repeats, auto=not args.no_auto)
     figures = {"model": os.path.basename(os.path.normpath(args.model)), "prompts": source,
@@ -343,6 +337,7 @@ def _generation_config(args, model):
 
 def _generate(args):
     from jaxmtp.generation import generate_stream, warm_up
+    from jaxmtp.streaming import echo
 
     kept = {} if args.matmul is None else {"quantized": "keep", "matmul": args.matmul}
     model = _load(args.model, quiet=args.quiet, **kept)
@@ -358,20 +353,8 @@ def _generate(args):
         compile_s = warm_up(model, prompts, config, progress=progress)
     for prompt in prompts:
         stream = generate_stream(model, prompt, config, tokenizer=tokenizer)
-        start, first, shown = time.perf_counter(), None, 0
-        print(tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else f"{prompt} ->", end="", flush=True)
-        for tokens in stream:
-            if tokens and first is None:
-                first = time.perf_counter() - start
-            if tokenizer is None:
-                print("".join(f" {t}" for t in tokens), end="", flush=True)
-            else:  # the text that can no longer change (a stop string's start is held back)
-                text = stream.text(final=False)
-                print(text[shown:], end="", flush=True)
-                shown = len(text)
-        run_s = time.perf_counter() - start
-        print(stream.text()[shown:] if tokenizer else "", end="\n\n", flush=True)
-        _report(stream.output, config, run_s, first, compile_s)
+        run_s, first_s = echo(stream, prompt, tokenizer)
+        _report(stream.output, config, run_s, first_s, compile_s)
 
 
 class _Progress:
@@ -497,55 +480,40 @@ def _train_inputs(args):
 
 
 def _train(args):
-    import dataclasses
     import json
-    import shutil
-    import sys
     import tempfile
 
-    from jaxmtp import data
+    from jaxmtp import data, train
     from jaxmtp.checkpoint.save import check_destination
-    from jaxmtp.train import TrainConfig, evaluate, train
 
-    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, learning_rate=args.lr,
-                      seed=args.seed, mtp_only=args.mtp_only, mtp_depth=args.mtp_depth)
+    cfg = train.TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, learning_rate=args.lr,
+                            seed=args.seed, mtp_only=args.mtp_only, mtp_depth=args.mtp_depth)
     model, tokenizer, config = _train_inputs(args)
     with _reading("--out", args.out):
         check_destination(args.out, args.overwrite)  # now, not after the training
-    train_texts, held_texts = (data.read(files) for files in data.source_files())
+    corpus = data.Corpus.read(tokenizer, config and config.vocab_size)
     if config is not None:
-        tokenizer = data.train_tokenizer(train_texts, config.vocab_size)
         model = jaxmtp.init(config, seed=args.seed)
-    train_tokens, held_tokens = data.encode(tokenizer, train_texts), data.encode(tokenizer, held_texts)
-    print(f"data: {len(train_texts)} training files, {len(train_tokens):,} tokens; held out "
-          f"{', '.join(data.HELD_OUT_MODULES)}: {len(held_tokens):,} tokens")
+    print(f"data: {corpus}")
     # Everything beside the weights is staged here and goes into --out with them in one step
     # (jaxmtp.save), so --out never holds a half-written result.
     with tempfile.TemporaryDirectory(prefix="jaxmtp-train-") as staging:
-        log_path = os.path.join(staging, "train_log.jsonl")
-        before = evaluate(model, held_tokens, args.seq_len) if args.mtp_only else None
-        model, log = train(model, train_tokens, cfg, log_path, quiet=args.quiet)
-        after = evaluate(model, held_tokens, args.seq_len)
-        tokenizer.save(os.path.join(staging, "tokenizer.json"))
-        record = {"command": "jaxmtp " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("jaxmtp") else None,
-                  "train_config": dataclasses.asdict(cfg), "data": {
-                      "source": "Python standard library *.py (tests excluded)", "python": sys.version.split()[0],
-                      "training_files": len(train_texts), "training_tokens": int(len(train_tokens)),
-                      "held_out_modules": list(data.HELD_OUT_MODULES), "held_out_tokens": int(len(held_tokens))},
-                  "final_losses": log[-1], "held_out": after, "held_out_before": before}
-        if args.init:
-            record["init"] = args.init
+        before = train.evaluate(model, corpus.held_out, args.seq_len) if args.mtp_only else None
+        model, log = train.train(model, corpus.train, cfg, os.path.join(staging, "train_log.jsonl"), quiet=args.quiet)
+        after = train.evaluate(model, corpus.held_out, args.seq_len)
+        corpus.tokenizer.save(os.path.join(staging, "tokenizer.json"))
+        command = "jaxmtp " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("jaxmtp") else None
+        figures = train.record(cfg, corpus.summary(), log, after, before,
+                               init=args.init, command=command)
         with open(os.path.join(staging, "training.json"), "w") as f:
-            json.dump(record, f, indent=2, default=float)
+            json.dump(figures, f, indent=2, default=float)
         if not args.mtp_only:
-            shutil.copy(_config_path(args.config), os.path.join(staging, "source_config.json"))
+            shutil.copy(config_file(args.config), os.path.join(staging, "source_config.json"))
         jaxmtp.save(model, args.out, format="hf", overwrite=args.overwrite,
                     extra_files=[os.path.join(staging, name) for name in sorted(os.listdir(staging))])
     for name, figures in (("before", before), ("after", after)):
         if figures:
-            print(f"held out ({name}): main loss {figures['main_loss']:.3f} (perplexity {figures['main_perplexity']:.1f}, "
-                  f"top-1 {figures['main_top1']:.3f}), MTP loss {figures['mtp_loss']:.3f} (top-1 {figures['mtp_top1']:.3f}); "
-                  f"unigram baseline loss {figures['unigram_loss']:.3f} (perplexity {figures['unigram_perplexity']:.1f})")
+            print(f"held out ({name}): {train.describe(figures)}")
 
 
 def _convert(args):
@@ -565,7 +533,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default in (None, []) else super()._get_help_string(action)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every `jaxmtp` command (docs/cli.md is rendered from it by tools/render_cli.py)."""
     parser = argparse.ArgumentParser(prog="jaxmtp", description=__doc__, formatter_class=_HelpFormatter)
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error in the input too, not only of a bug")
@@ -681,7 +650,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         args.run(args)

@@ -69,6 +69,18 @@ class QuantizationConfig:
     scale_fmt: str | None = None  # "ue8m0" (DeepSeek-V3.1 on): activation scales are powers of two
 
 
+# The configs shipped with the package (tiny, demo, deepseek_v3_671b, deepseek_v32_671b, kimi_k2), found from any
+# working directory; the repository's configs/ links here.
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def config_file(path: str) -> str:
+    """`path` itself, or for the name of a config shipped in jaxmtp.CONFIGS (e.g. "deepseek_v3_671b")
+    that file, so that commands work from any directory."""
+    packaged = os.path.join(CONFIGS, path.removesuffix(".json") + ".json")
+    return packaged if not os.path.exists(path) and os.sep not in path and os.path.exists(packaged) else path
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a DeepSeek-V3-family model. Field names follow HF `DeepseekV3Config`."""

@@ -6,8 +6,11 @@ it. Test suites are left out; a fixed set of modules is held out for evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import sysconfig
+from typing import Any
 
 import numpy as np
 
@@ -71,3 +74,43 @@ def prompts_from(tokens: np.ndarray, count: int, length: int) -> list[list[int]]
     """`count` prompts of `length` tokens taken at evenly spaced offsets of a token stream."""
     starts = np.linspace(0, len(tokens) - length - 1, count).astype(int)
     return [tokens[s:s + length].tolist() for s in starts]
+
+
+def held_out_tokens(tokenizer) -> np.ndarray:
+    """The held-out modules' source (HELD_OUT_MODULES) as one token stream (see `encode`)."""
+    return encode(tokenizer, read(source_files()[1]))
+
+
+def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens from the held-out source (see `prompts_from`): text the
+    demo model was not trained on, as the benchmarks and tests prompt it with."""
+    return prompts_from(held_out_tokens(tokenizer), count, length)
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """The standard library's source encoded for training. tokenizer: a `tokenizers.Tokenizer`;
+    train, held_out: token streams (see `encode`); train_files: how many files `train` holds."""
+
+    tokenizer: Any
+    train: np.ndarray
+    held_out: np.ndarray
+    train_files: int
+
+    @classmethod
+    def read(cls, tokenizer=None, vocab_size: int | None = None) -> Corpus:
+        """Reads and encodes the source with `tokenizer`, or with a BPE tokenizer of `vocab_size`
+        trained on the training files."""
+        train_texts, held_texts = (read(files) for files in source_files())
+        tokenizer = tokenizer or train_tokenizer(train_texts, vocab_size)
+        return cls(tokenizer, encode(tokenizer, train_texts), encode(tokenizer, held_texts), len(train_texts))
+
+    def summary(self) -> dict:
+        """What a training run read, for its record."""
+        return {"source": "Python standard library *.py (tests excluded)", "python": sys.version.split()[0],
+                "training_files": self.train_files, "training_tokens": int(len(self.train)),
+                "held_out_modules": list(HELD_OUT_MODULES), "held_out_tokens": int(len(self.held_out))}
+
+    def __str__(self) -> str:
+        return (f"{self.train_files} training files, {len(self.train):,} tokens; held out "
+                f"{', '.join(HELD_OUT_MODULES)}: {len(self.held_out):,} tokens")

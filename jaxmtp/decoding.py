@@ -83,37 +83,60 @@ class Inputs:
 
 
 @flax.struct.dataclass
-class DecodeState:
-    """The while-loop carry. B rows, S = cache length, W = S + k + 1 token slots.
+class Tokens:
+    """Each row's tokens. B rows, W = S + k + 1 token slots (S = cache length).
 
     seq [B, W]: tokens by position (prompt, then generated); logprobs [B, W] (or None): the
-    log-probability of each generated token at its position; n [B]: position of t_n; count [B]:
-    new tokens so far; done [B]. draft/draft_hidden/draft_probs: d1 for the next round, the MTP
-    hidden state at its slot [B, D] and its distribution [B, V] (sampling only). main_hidden
-    [B, R, D] (auto only, R = AUTO_SEGMENT): the main model's hidden states at positions n - R..n - 1
-    (those before position 0 hold its), from which a segment of rounds at k > 0 fills those MTP
-    slots and drafts d1 afresh (rounds at k = 0 leave both as they were); stale_draft (auto only,
-    a scalar): whether the last segment ran at k = 0, so that d1 needs that refill; segment_k (auto
-    only, a scalar): the k of the last segment, 0 before the first. Stats per row:
-    rounds, drafted, accepted, accepted_at [B, k] (rounds in which draft i was accepted), rounds_at
-    [B, k + 1] (rounds run at each k); steps: main forward passes of the batch. counts: the
-    batch's acceptance by draft position, which `speculative_k="auto"` chooses k from.
-    """
+    log-probability of each generated token at its position; n [B]: the position of t_n, the newest
+    token, not yet fed to the model; count [B]: new tokens so far; done [B]."""
 
     seq: jax.Array
     logprobs: jax.Array | None
     n: jax.Array
     count: jax.Array
     done: jax.Array
-    caches: dict
-    mtp_cache: MLACache | None
-    draft: jax.Array
-    draft_hidden: jax.Array | None
-    draft_probs: jax.Array | None
-    main_hidden: jax.Array | None
-    stale_draft: jax.Array | None
-    segment_k: jax.Array | None
-    key: jax.Array
+
+
+@flax.struct.dataclass
+class Drafts:
+    """The MTP layer's state between rounds (k > 0). cache: its MLA cache; token [B]: d1, the first
+    draft of the next round; hidden [B, D]: the MTP hidden state d1 came from (d2 is drafted from
+    it); probs [B, V] (sampling only, else None): the distribution d1 was drawn from."""
+
+    cache: MLACache
+    token: jax.Array
+    hidden: jax.Array
+    probs: jax.Array | None
+
+    def where(self, rows, other: Drafts) -> Drafts:
+        """This d1 state for `rows` [B] (bool), other's elsewhere; this cache."""
+        def pick(new, old):
+            return jnp.where(rows.reshape(rows.shape + (1,) * (new.ndim - 1)), new.astype(old.dtype), old)
+
+        return Drafts(cache=self.cache, token=pick(self.token, other.token), hidden=pick(self.hidden, other.hidden),
+                      probs=None if self.probs is None else pick(self.probs, other.probs))
+
+
+@flax.struct.dataclass
+class AutoState:
+    """What `speculative_k="auto"` carries between segments. main_hidden [B, R, D] (R =
+    AUTO_SEGMENT): the main model's hidden states at positions n - R..n - 1 (those before position
+    0 hold its), from which a segment at k > 0 after one at k = 0 refills the MTP slots and drafts
+    d1 afresh; stale [] bool: the last segment ran at k = 0, so d1 needs that refill; segment_k []:
+    the k of the last segment, 0 before the first."""
+
+    main_hidden: jax.Array
+    stale: jax.Array
+    segment_k: jax.Array
+
+
+@flax.struct.dataclass
+class Stats:
+    """Counts for `GenerationStats`, per row unless noted: rounds, drafted, accepted [B];
+    accepted_at [B, k]: rounds in which draft i was accepted; rounds_at [B, k + 1]: rounds run at
+    each k; steps []: main forward passes of the batch; counts: the batch's acceptance by draft
+    position, from which `speculative_k="auto"` chooses k."""
+
     rounds: jax.Array
     drafted: jax.Array
     accepted: jax.Array
@@ -121,6 +144,35 @@ class DecodeState:
     rounds_at: jax.Array
     counts: AcceptanceCounts
     steps: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, k: int) -> Stats:
+        rows = jnp.zeros((batch,), jnp.int32)
+        return cls(rounds=rows, drafted=rows, accepted=rows, accepted_at=jnp.zeros((batch, k), jnp.int32),
+                   rounds_at=jnp.zeros((batch, k + 1), jnp.int32), counts=AcceptanceCounts.zeros(k),
+                   steps=jnp.ones((), jnp.int32))
+
+    def after_round(self, k: int, k_max: int, accepted, active) -> Stats:
+        """The counts after a round at k in which each row accepted `accepted` [B] drafts (rows
+        not `active` [B] count nothing)."""
+        return Stats(rounds=self.rounds + active, drafted=self.drafted + k * active,
+                     accepted=self.accepted + accepted * active,
+                     accepted_at=self.accepted_at + (jnp.arange(k_max) < accepted[:, None]) * active[:, None],
+                     rounds_at=self.rounds_at.at[:, k].add(active), counts=self.counts.update(k, accepted, active),
+                     steps=self.steps + 1)
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """The while-loop carry: tokens, the main stacks' caches (see `empty_caches`), drafts (k > 0,
+    else None), auto (auto only, else None), stats and the random key."""
+
+    tokens: Tokens
+    caches: dict
+    drafts: Drafts | None
+    auto: AutoState | None
+    stats: Stats
+    key: jax.Array
 
 
 def _apply(static: Static, params, *args, absorbed: bool = True, method):
@@ -230,19 +282,16 @@ def _token_logprobs(static: Static, logits, tokens, sampling):
 @flax.struct.dataclass
 class _Prefilled:
     """What the prefill carries from chunk to chunk. seq [B, W]: the prompt, and the first new token
-    at each row's length once its last prompt token has been passed; caches / mtp_cache; first [B]
-    and first_logprob [B] (or None); draft, draft_hidden [B, D], draft_probs [B, V] (or None): d1
-    and the MTP state it came from (k > 0; zeros before); main_hidden [B, R, D] (auto only): the
-    main model's hidden states at positions last - R + 1..last (position 0's before position 0)."""
+    at each row's length once its last prompt token has been passed; caches; first [B] and
+    first_logprob [B] (or None); drafts (k > 0): d1 and the MTP state it came from (zeros before);
+    main_hidden [B, R, D] (auto only): the main model's hidden states at positions last - R + 1..last
+    (position 0's before position 0)."""
 
     seq: jax.Array
     caches: dict
-    mtp_cache: MLACache | None
     first: jax.Array
     first_logprob: jax.Array | None
-    draft: jax.Array | None
-    draft_hidden: jax.Array | None
-    draft_probs: jax.Array | None
+    drafts: Drafts | None
     main_hidden: jax.Array | None
 
 
@@ -261,13 +310,15 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
         raise InputError(f"prompt width {width} is not a multiple of the prefill chunk {chunk}")
     key, token_key, draft_key = jax.random.split(inputs.key, 3)
     dtype, c, zeros = static.dtype, static.config, jnp.zeros_like(lengths)
+    drafts = None
+    if static.k:
+        drafts = Drafts(cache=_rows_over_data(MLACache.zeros(c, None, batch, static.cache_len, dtype), 0),
+                        token=zeros, hidden=jnp.zeros((batch, c.hidden_size), dtype),
+                        probs=None if static.mode.greedy else jnp.zeros((batch, c.vocab_size), jnp.float32))
     carry = _Prefilled(
         seq=jnp.zeros((batch, static.cache_len + static.k + 1), jnp.int32).at[:, :width].set(prompt),
         caches=empty_caches(static, batch), first=zeros,
-        first_logprob=jnp.zeros((batch,), jnp.float32) if static.logprobs else None,
-        mtp_cache=(_rows_over_data(MLACache.zeros(c, None, batch, static.cache_len, dtype), 0) if static.k else None),
-        draft=zeros if static.k else None, draft_hidden=jnp.zeros((batch, c.hidden_size), dtype) if static.k else None,
-        draft_probs=(jnp.zeros((batch, c.vocab_size), jnp.float32) if static.k and not static.mode.greedy else None),
+        first_logprob=jnp.zeros((batch,), jnp.float32) if static.logprobs else None, drafts=drafts,
         main_hidden=jnp.zeros((batch, AUTO_SEGMENT, c.hidden_size), dtype) if static.auto else None)
     keys = (token_key, draft_key)
     if chunk == width:
@@ -284,15 +335,11 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
     logprobs = None
     if static.logprobs:
         logprobs = jnp.zeros(carry.seq.shape, jnp.float32).at[jnp.arange(batch), lengths].set(carry.first_logprob)
-    auto = static.auto
-    return DecodeState(seq=carry.seq, logprobs=logprobs, n=lengths, count=kept, done=done, caches=carry.caches,
-                       mtp_cache=carry.mtp_cache, draft=zeros if carry.draft is None else carry.draft,
-                       draft_hidden=carry.draft_hidden, draft_probs=carry.draft_probs, main_hidden=carry.main_hidden,
-                       stale_draft=jnp.zeros((), bool) if auto else None,
-                       segment_k=jnp.zeros((), jnp.int32) if auto else None, key=key, rounds=zeros, drafted=zeros,
-                       accepted=zeros, accepted_at=jnp.zeros((batch, static.k), jnp.int32),
-                       rounds_at=jnp.zeros((batch, static.k + 1), jnp.int32), counts=AcceptanceCounts.zeros(static.k),
-                       steps=jnp.ones((), jnp.int32))
+    auto = None
+    if static.auto:
+        auto = AutoState(main_hidden=carry.main_hidden, stale=jnp.zeros((), bool), segment_k=jnp.zeros((), jnp.int32))
+    return DecodeState(tokens=Tokens(seq=carry.seq, logprobs=logprobs, n=lengths, count=kept, done=done),
+                       caches=carry.caches, drafts=carry.drafts, auto=auto, stats=Stats.zeros(batch, static.k), key=key)
 
 
 def _prefill_chunk(static: Static, params, inputs: Inputs, carry: _Prefilled, keys, start, chunk: int) -> _Prefilled:
@@ -323,75 +370,67 @@ def _prefill_chunk(static: Static, params, inputs: Inputs, carry: _Prefilled, ke
         return carry
     # MTP slot p pairs h_p with t_{p+1}; the slot of the last prompt token pairs it with `first`.
     next_tokens = jax.lax.dynamic_slice_in_dim(seq, start + 1, chunk, axis=1)
-    z, mtp_cache = _mtp_hidden(static, params, hidden, next_tokens, positions, carry.mtp_cache, absorbed=False)
-    z = _row_gather(z, at)
-    draft, probs = choose(keys[1], _head(static, params, z), static.mode, sampling)
-    carry = carry.replace(mtp_cache=mtp_cache, draft=jnp.where(here, draft, carry.draft),
-                          draft_hidden=jnp.where(here[:, None], z.astype(carry.draft_hidden.dtype), carry.draft_hidden))
-    if probs is not None:
-        carry = carry.replace(draft_probs=jnp.where(here[:, None], probs, carry.draft_probs))
-    return carry
+    drafts = _draft_from(static, params, (hidden, next_tokens, positions), carry.drafts.cache, at, keys[1], sampling)
+    return carry.replace(drafts=drafts.where(here, carry.drafts))
 
 
-def _draft_from(static: Static, params, state: DecodeState, rows, cache: MLACache, slot, key, sampling
-                ) -> DecodeState:
+def _draft_from(static: Static, params, rows, cache: MLACache, slot, key, sampling, absorbed: bool = False) -> Drafts:
     """The MTP pass over rows = (main hidden states [B, T, D], the tokens after them [B, T], their
     positions [B, T]), writing their slots of `cache`; the next d1, its MTP hidden state and its
     distribution come from row `slot` [B] (the head runs for that row only)."""
-    z, cache = _mtp_hidden(static, params, *rows, cache, absorbed=True)
+    z, cache = _mtp_hidden(static, params, *rows, cache, absorbed=absorbed)
     z = _row_gather(z, slot)
-    draft, probs = choose(key, _head(static, params, z), static.mode, sampling)
-    return state.replace(mtp_cache=cache, draft=draft, draft_hidden=z, draft_probs=probs)
+    token, probs = choose(key, _head(static, params, z), static.mode, sampling)
+    return Drafts(cache=cache, token=token, hidden=z, probs=probs)
 
 
-def _refill(static: Static, params, state: DecodeState, sampling, key) -> DecodeState:
+def refill_drafts(static: Static, params, state: DecodeState, sampling, key) -> Drafts:
     """The MTP pass over slots n - R..n - 1 (R = AUTO_SEGMENT), which pair the main model's hidden
     states there with the tokens after them, and d1 from slot n - 1, as the repair of the last
     round would have drafted it: after rounds at k = 0 the MTP cache lacks the positions they
     decoded and the draft is that of an earlier position. Where n < R the pass covers slots
     0..R - 1 instead (the cache write takes distinct, ascending positions); slots from n on get
     placeholder rows and are written again before any draft reads them."""
-    n = state.n[:, None]
+    n = state.tokens.n[:, None]
     positions = jnp.maximum(n - AUTO_SEGMENT, 0) + jnp.arange(AUTO_SEGMENT)  # [B, R]
     window = jnp.minimum(positions - (n - AUTO_SEGMENT), AUTO_SEGMENT - 1)  # index into main_hidden
-    rows = (_rows_at(state.main_hidden, window), _rows_at(state.seq, positions + 1), positions)
-    slot = jnp.minimum(state.n, AUTO_SEGMENT) - 1  # the row of position n - 1
-    return _draft_from(static, params, state, rows, state.mtp_cache, slot, key, sampling)
+    rows = (_rows_at(state.auto.main_hidden, window), _rows_at(state.tokens.seq, positions + 1), positions)
+    slot = jnp.minimum(state.tokens.n, AUTO_SEGMENT) - 1  # the row of position n - 1
+    return _draft_from(static, params, rows, state.drafts.cache, slot, key, sampling, absorbed=True)
 
 
-def _draft_rest(static, k, params, state: DecodeState, sampling, key):
-    """d2..dk: the MTP layer re-run on its own output hidden state, one position further each time.
-    Unrolled (k <= 8): on CPU a `lax.scan` here costs more than the MTP steps themselves.
+def _draft_rest(static, k, params, n, drafts: Drafts, sampling, key):
+    """d2..dk after d1 = drafts.token, for rows at positions n [B]: the MTP layer re-run on its own
+    output hidden state, one position further each time. Unrolled (k <= 8): on CPU a `lax.scan`
+    here costs more than the MTP steps themselves.
 
     Returns (drafts [B, k], their distributions [B, k, V] or None, MTP cache)."""
-    token, hidden, cache = state.draft, state.draft_hidden, state.mtp_cache
-    tokens, probs = [token], [state.draft_probs]
+    token, hidden, cache = drafts.token, drafts.hidden, drafts.cache
+    tokens, probs = [token], [drafts.probs]
     for j, step_key in enumerate(jax.random.split(key, k - 1)):
-        position = state.n + j  # d_{j+2} comes from MTP slot n + j
+        position = n + j  # d_{j+2} comes from MTP slot n + j
         logits, z, cache = mtp_step(static, params, hidden[:, None], token[:, None], position[:, None], cache,
                                     absorbed=True)
         token, p = choose(step_key, logits[:, 0], static.mode, sampling)
         hidden = z[:, 0]
         tokens.append(token)
         probs.append(p)
-    drafts = jnp.stack(tokens, axis=1)
-    return drafts, (None if static.mode.greedy else jnp.stack(probs, axis=1)), cache
+    return jnp.stack(tokens, axis=1), (None if static.mode.greedy else jnp.stack(probs, axis=1)), cache
 
 
 def decode_round(static: Static, k: int, params, state: DecodeState, inputs: Inputs) -> DecodeState:
     """One round for every row at k <= static.k: draft (k > 0), verify in one main forward, accept,
     commit, repair. A round at k = 0 leaves the MTP state as it is."""
-    batch, sampling = state.n.shape[0], inputs.sampling
-    params = _unhoisted(static, params, state.steps)
+    t, batch, sampling = state.tokens, state.tokens.n.shape[0], inputs.sampling
+    params = _unhoisted(static, params, state.stats.steps)
     key, draft_key, verify_key, next_key = jax.random.split(state.key, 4)
-    t_n = _row_gather(state.seq, state.n)
+    t_n = _row_gather(t.seq, t.n)
     if k:
-        drafts, draft_probs, mtp_cache = _draft_rest(static, k, params, state, sampling, draft_key)
+        drafts, draft_probs, mtp_cache = _draft_rest(static, k, params, t.n, state.drafts, sampling, draft_key)
     else:
-        vocab = static.config.vocab_size
-        drafts, draft_probs, mtp_cache = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, vocab)), state.mtp_cache
+        drafts, draft_probs = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, static.config.vocab_size))
     tokens = jnp.concatenate([t_n[:, None], drafts], axis=1)  # [B, k+1]
-    positions = state.n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    positions = t.n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     logits, hidden, caches = main_forward(static, params, tokens, positions, state.caches, absorbed=True)
     if static.mode.greedy:
         accepted, after = verify_greedy(drafts, logits)
@@ -401,26 +440,25 @@ def decode_round(static: Static, k: int, params, state: DecodeState, inputs: Inp
     new_tokens = jnp.where(slot < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), after[:, None])
     # All k + 1 slots are written; those past what a row keeps are overwritten before they are read.
     rows = jnp.arange(batch)[:, None]
-    seq = state.seq.at[rows, positions + 1].set(new_tokens, mode="drop")
-    active = ~state.done
-    kept, finished = _finish(seq, state.n, state.count, new_tokens, accepted + 1, inputs.limits, inputs.stops)
-    kept, done = kept * active, state.done | finished
-    logprobs = state.logprobs
+    seq = t.seq.at[rows, positions + 1].set(new_tokens, mode="drop")
+    active = ~t.done
+    kept, finished = _finish(seq, t.n, t.count, new_tokens, accepted + 1, inputs.limits, inputs.stops)
+    kept = kept * active
+    logprobs = t.logprobs
     if static.logprobs:
         logprobs = logprobs.at[rows, positions + 1].set(_token_logprobs(static, logits, new_tokens, sampling),
                                                         mode="drop")
     state = state.replace(
-        seq=seq, logprobs=logprobs, n=state.n + kept, count=state.count + kept, done=done, caches=caches, key=key,
-        rounds=state.rounds + active, drafted=state.drafted + k * active,
-        accepted=state.accepted + accepted * active,
-        accepted_at=state.accepted_at + (jnp.arange(static.k) < accepted[:, None]) * active[:, None],
-        rounds_at=state.rounds_at.at[:, k].add(active), counts=state.counts.update(k, accepted, active),
-        steps=state.steps + 1, main_hidden=_shifted(state.main_hidden, hidden, kept) if static.auto else None)
+        tokens=Tokens(seq=seq, logprobs=logprobs, n=t.n + kept, count=t.count + kept, done=t.done | finished),
+        caches=caches, key=key, stats=state.stats.after_round(k, static.k, accepted, active))
+    if static.auto:
+        state = state.replace(auto=state.auto.replace(main_hidden=_shifted(state.auto.main_hidden, hidden, kept)))
     if k == 0:
         return state
     # Repair: MTP slots n..n+k from the verified hidden states; slot n+a yields the next d1 (the
     # head runs for that slot only).
-    return _draft_from(static, params, state, (hidden, new_tokens, positions), mtp_cache, accepted, next_key, sampling)
+    return state.replace(drafts=_draft_from(static, params, (hidden, new_tokens, positions), mtp_cache, accepted,
+                                            next_key, sampling, absorbed=True))
 
 
 def _shifted(window, hidden, kept):
@@ -445,22 +483,22 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
     loop's condition and the conditional's predicate on the host."""
     if not static.auto:
         return decode_round(static, static.k, params, state, inputs)
-    k = jnp.minimum(best_k(state.counts, inputs.costs), state.segment_k + 1)
+    k = jnp.minimum(best_k(state.stats.counts, inputs.costs), state.auto.segment_k + 1)
     k = jnp.where(inputs.force_k >= 0, inputs.force_k, k)
 
     def refill(state):  # the segment before may have run at k = 0
         key, draft_key = jax.random.split(state.key)
-        return _refill(static, params, state.replace(key=key), inputs.sampling, draft_key)
+        return state.replace(key=key, drafts=refill_drafts(static, params, state, inputs.sampling, draft_key))
 
     # A conditional, not a loop run once: XLA would hoist the pass's projections out of such a loop
     # into every segment, k = 0 included. After a segment at k > 0 its last repair has written the
     # MTP slots and drafted d1 as the refill would, so the next segment skips the refill.
-    state = jax.lax.cond((k > 0) & state.stale_draft, refill, lambda state: state, state)
+    state = jax.lax.cond((k > 0) & state.auto.stale, refill, lambda state: state, state)
     for j in range(static.k + 1):
         step = lambda carry, j=j: (carry[0] + 1, decode_round(static, j, params, carry[1], inputs))  # noqa: E731
-        running = lambda carry, j=j: (k == j) & (carry[0] < AUTO_SEGMENT) & ~jnp.all(carry[1].done)  # noqa: E731
+        running = lambda carry, j=j: (k == j) & (carry[0] < AUTO_SEGMENT) & ~jnp.all(carry[1].tokens.done)  # noqa: E731
         state = jax.lax.while_loop(running, step, (jnp.int32(0), state))[1]
-    return state.replace(stale_draft=k == 0, segment_k=k)
+    return state.replace(auto=state.auto.replace(stale=k == 0, segment_k=k))
 
 
 @partial(jax.jit, static_argnums=0)
@@ -479,7 +517,10 @@ def advance(static: Static, params, state: DecodeState, inputs: Inputs, steps, h
     Returns (the new state, a copy of its tokens: (seq, count, done)), the copy for the host to
     read while the next call already runs on the state."""
     TRACES[("advance", static, inputs.prompt.shape, inputs.stops.shape)] += 1
-    running = lambda carry: (carry[0] < steps) & ~jnp.all(carry[1].done)  # noqa: E731
+    running = lambda carry: (carry[0] < steps) & ~jnp.all(carry[1].tokens.done)  # noqa: E731
     step = lambda carry: (carry[0] + 1, _rounds(static, params, carry[1], inputs))  # noqa: E731
-    state = jax.lax.while_loop(running, step, (jnp.int32(0), state.replace(done=state.done | halt)))[1]
-    return state, (state.seq + 0, state.count + 0, state.done | False)
+    t = state.tokens
+    state = state.replace(tokens=t.replace(done=t.done | halt))
+    state = jax.lax.while_loop(running, step, (jnp.int32(0), state))[1]
+    t = state.tokens
+    return state, (t.seq + 0, t.count + 0, t.done | False)

@@ -169,7 +169,7 @@ class Prepared:
         Two chunks are kept in flight: while the host reads one chunk's tokens, the next already
         runs, so the device does not wait for the host between chunks."""
         state = start(self.static, self.params, self.inputs)
-        pending = [(state.seq, state.count, state.done)]  # tokens not yet read, oldest first
+        pending = [(state.tokens.seq, state.tokens.count, state.tokens.done)]  # tokens not yet read, oldest first
         halt = np.zeros(self.inputs.real.shape, bool)
         steps, began = 0, time.perf_counter()  # steps of the last chunk queued (0: none yet)
         while True:
@@ -249,7 +249,7 @@ def seconds_per_round(run: Prepared, inputs: Inputs, steps: int = ALL_STEPS) -> 
     began = time.perf_counter()
     state, _ = jax.block_until_ready(advance(run.static, run.params, state, inputs, jnp.int32(steps),
                                              jnp.zeros_like(inputs.real)))
-    return (time.perf_counter() - began) / max(int(state.steps) - 1, 1)  # steps: the prefill's included
+    return (time.perf_counter() - began) / max(int(state.stats.steps) - 1, 1)  # steps: the prefill's included
 
 
 def calibration_runs(prepared: Prepared):
@@ -288,9 +288,9 @@ def unpack(prepared: Prepared, state: DecodeState, receiver: streaming.Receiver 
     """The final state -> the real rows' new tokens (and log-probabilities) and the stats; with a
     receiver, each row's tokens are the ones it received (cut at its stop string)."""
     n, lengths = prepared.n, prepared.lengths
-    out = _fetch({"seq": state.seq, "logprobs": state.logprobs, "count": state.count, "rounds": state.rounds,
-                  "drafted": state.drafted, "accepted": state.accepted, "accepted_at": state.accepted_at,
-                  "rounds_at": state.rounds_at, "steps": state.steps})
+    t, s = state.tokens, state.stats
+    out = _fetch({"seq": t.seq, "logprobs": t.logprobs, "count": t.count, "rounds": s.rounds, "drafted": s.drafted,
+                  "accepted": s.accepted, "accepted_at": s.accepted_at, "rounds_at": s.rounds_at, "steps": s.steps})
     count = out["count"] if receiver is None else [len(t) for t in receiver.tokens]
     spans = [slice(lengths[i], lengths[i] + count[i]) for i in range(n)]
     tokens = [out["seq"][i, span].tolist() for i, span in enumerate(spans)]
@@ -380,12 +380,16 @@ def generate_stream(model: Model, prompt, config: GenerationConfig | None = None
 
 
 def _warmed(prepared: Prepared, progress=_silent) -> Prepared:
-    """Compiles (and with auto, calibrates) the loop for these buckets by running its prefill
-    alone -> the prepared batch with auto's costs filled in."""
+    """Compiles (and with auto, calibrates) the loop for these buckets, then runs its prefill and
+    one round at each k it may take: XLA's CPU programs run a branch slower the first time than
+    later, which would otherwise land in the first call's timing and its first tokens. -> the
+    prepared batch with auto's costs filled in."""
     prepared = calibrated(prepared, progress)
     if not prepared.static.auto and not prepared.chose_plain:  # auto compiled its loops to measure them
         progress(COMPILING)
-    jax.block_until_ready(prepared.run(prepared.limited(1)))
+    ks = range(prepared.static.k + 1) if prepared.static.auto else [prepared.static.k]
+    for inputs in [prepared.forced(k, k + 2) if prepared.static.auto else prepared.limited(2) for k in ks]:
+        jax.block_until_ready(prepared.run(inputs))
     return prepared
 
 

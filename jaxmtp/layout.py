@@ -6,8 +6,8 @@ its parameters in whichever layout it is given (`layout` attribute), so the mode
 - unrolled: each stack's layers as parameters of their own (`layers_0 .. layers_{L-1}`, one cache
   each), so that a step does not slice every layer's weights and cache out of arrays stacked on a
   `layers` axis and write the cache back, as a scan over the stack does.
-- split_experts: a layer's routed experts as a tuple of E weights, each run by its own `lax.switch`
-  (on no row, on the one row that chose it, or on all rows), so that no expert is gathered or
+- split_experts: a layer's routed experts as a tuple of E weights, each run under its own
+  conditional (on all rows where any row chose it, else not at all), so that no expert is gathered or
   sliced out of the stack, which XLA copies (benchmarks/decode_step.py --experts). CPU only:
   XLA:GPU waits for the host on every conditional's predicate, so E x L conditionals would stall a
   GPU step; there the experts stay stacked and few tokens gather their experts' weights.
@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import InputError
@@ -83,7 +84,18 @@ class Layout:
                              "so it needs inputs_first")
 
 
-CHECKPOINT = Layout()
+    def on_cpu(self, split_experts: bool) -> Layout:
+        """This layout with the CPU-only arrangements: prefix attention, and (where asked, for
+        unrolled layers not kept in FP8) split experts."""
+        return dataclasses.replace(self, prefix_attention=True, split_experts=split_experts and self.inputs_first)
+
+
+# The presets that `decode_layout` chooses from (before `Layout.on_cpu`):
+CHECKPOINT = Layout()  # as stored: stacks scanned over a `layers` axis (models over MAX_UNROLLED_BYTES)
+UNROLLED = Layout(unrolled=True)  # layers of their own, weights as stored (FP8-kept weights)
+# Every arrangement of a dense model's weights; decode_layout drops joint_projections where a mesh
+# splits them over `tensor` and absorbed_queries where the folded weight would be larger.
+REARRANGED = Layout(unrolled=True, inputs_first=True, joint_projections=True, absorbed_queries=True)
 
 
 def prefix_lengths(cache_len: int) -> tuple[int, ...]:
@@ -101,23 +113,23 @@ def _bytes(params) -> int:
 
 
 def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
-    """The layout to decode this model in: the checkpoint's (scanned) for models of more than
-    MAX_UNROLLED_BYTES of parameters, otherwise unrolled. Models with weights kept in FP8 stay
-    otherwise as they are (the FP8 kernels take the stacked [out, in] blocks). Dense models store
-    projections inputs first, joined where they share an input unless a mesh splits them over
-    `tensor`, and on a CPU split their experts when there are at most MAX_SPLIT_EXPERTS and no
-    mesh axis runs them expert-parallel (that needs the stack). On a CPU attention reads only a
-    prefix of the cache (prefix_attention)."""
+    """The layout to decode this model in: CHECKPOINT for models of more than MAX_UNROLLED_BYTES of
+    parameters; UNROLLED for weights kept in FP8 (their kernels take [out, in] blocks); REARRANGED
+    for dense models, less joint_projections where a mesh splits them over `tensor` and
+    absorbed_queries where the folded weight is larger. On a CPU, `Layout.on_cpu`, splitting the
+    experts where there are at most MAX_SPLIT_EXPERTS and no mesh axis runs them expert-parallel
+    (that needs the stack)."""
     if _bytes(params) > MAX_UNROLLED_BYTES:
         return CHECKPOINT
-    cpu = _platform(params, mesh) == "cpu"
-    if is_quantized(params):
-        return Layout(unrolled=True, prefix_attention=cpu)
     tensor = mesh is not None and mesh.shape.get("tensor", 1) > 1
     parallel = tensor or (mesh is not None and bool(expert_axes(mesh, config.n_routed_experts)))
-    split = config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel and cpu
-    return Layout(unrolled=True, split_experts=split, inputs_first=True, prefix_attention=cpu,
-                  joint_projections=not tensor, absorbed_queries=absorbing_is_no_larger(config))
+    layout = UNROLLED
+    if not is_quantized(params):
+        layout = dataclasses.replace(REARRANGED, joint_projections=not tensor,
+                                     absorbed_queries=absorbing_is_no_larger(config))
+    if platform(params, mesh) != "cpu":
+        return layout
+    return layout.on_cpu(split_experts=config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel)
 
 
 def absorbing_is_no_larger(config: ModelConfig) -> bool:
@@ -131,7 +143,7 @@ def absorbing_is_no_larger(config: ModelConfig) -> bool:
                                                        + heads * c.qk_nope_head_dim * c.kv_lora_rank)
 
 
-def _platform(params, mesh) -> str:
+def platform(params, mesh=None) -> str:
     """The platform of the mesh's devices, or of the devices the parameters are on (abstract
     parameters: the default device's)."""
     if mesh is not None:
@@ -205,8 +217,9 @@ def _absorbed_queries(tree, config: ModelConfig):
         per_head = weight.reshape(weight.shape[0], c.num_attention_heads, c.qk_head_dim).astype(jax.numpy.float32)
         nope, rope = per_head[..., :c.qk_nope_head_dim], per_head[..., c.qk_nope_head_dim:]
         key = tree["kv_b_proj"]["key"].astype(jax.numpy.float32)
-        latent = jax.numpy.einsum("qhn,hnc->qhc", nope, key, precision=jax.lax.Precision.HIGHEST)
-        joined = jax.numpy.concatenate([latent, rope], axis=-1).reshape(weight.shape[0], -1).astype(weight.dtype)
+        latent = (np.einsum("qhn,hnc->qhc", nope, key) if _on_host(nope)
+                  else jax.numpy.einsum("qhn,hnc->qhc", nope, key, precision=jax.lax.Precision.HIGHEST))
+        joined = _concatenate([latent, rope], axis=-1).reshape(weight.shape[0], -1).astype(weight.dtype)
         tree = dict(tree, **{name: {"weight": joined}, "kv_b_proj": {"value": tree["kv_b_proj"]["value"]}})
     return tree
 
@@ -218,7 +231,7 @@ def _joint_projections(tree):
     if not isinstance(tree, dict):
         return tree
     tree = {key: _joint_projections(value) for key, value in tree.items()}
-    join = lambda first, second: jax.numpy.concatenate([first, second], axis=1)  # noqa: E731
+    join = lambda first, second: _concatenate([first, second], axis=1)  # noqa: E731
     if "q_a_proj" in tree:
         q_a, kv_a = tree.pop("q_a_proj"), tree.pop("kv_a_proj_with_mqa")
         tree["qkv_a_proj"] = {"weight": join(q_a["weight"], kv_a["weight"])}
@@ -228,6 +241,23 @@ def _joint_projections(tree):
     elif isinstance(gate, tuple):
         tree["gate_up_proj"] = tuple(map(join, tree.pop("gate_proj"), tree.pop("up_proj")))
     return tree
+
+
+def _on_host(array) -> bool:
+    return isinstance(array, np.ndarray)
+
+
+def _concatenate(arrays, axis: int):
+    """numpy's for host arrays (see `convert_on_host`), jax.numpy's otherwise."""
+    return (np if all(map(_on_host, arrays)) else jax.numpy).concatenate(arrays, axis=axis)
+
+
+def convert_on_host(params, layout: Layout, config: ModelConfig):
+    """`convert` for parameters on a CPU without a mesh, in numpy (views where it can) and put back
+    as JAX arrays: op by op in JAX, each of the few dozen shapes would compile its own small program
+    first, which the first run of `jaxmtp generate` waits for (benchmarks/compile_cache.py)."""
+    converted = convert(jax.tree.map(np.asarray, params), layout, config)
+    return jax.tree.map(jax.numpy.asarray, converted)
 
 
 def up_projections(kv_b, config: ModelConfig):

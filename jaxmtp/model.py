@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxmtp import checks
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import InputError
-from jaxmtp.layout import CHECKPOINT, Layout, convert, decode_layout
+from jaxmtp.layout import CHECKPOINT, Layout, convert, convert_on_host, decode_layout, platform
 from jaxmtp.params import abstract_params, init_variables, module, param_shardings, positions_for
 from jaxmtp.quant import with_matmul
 from jaxmtp.transformer import DeepseekV3
@@ -45,8 +45,10 @@ class Model:
         if self.layout != CHECKPOINT:
             raise InputError(f"with_layout: converts from the checkpoint layout only; this model is in {self.layout}")
         converted = partial(convert, layout=layout, config=self.config)
-        if self.mesh is None:  # op by op: the first and later runs of the README command start sooner
-            return dataclasses.replace(self, params=converted(self.params), layout=layout)  # (compile_cache.py)
+        if self.mesh is None and platform(self.params) == "cpu":
+            return dataclasses.replace(self, params=convert_on_host(self.params, layout, self.config), layout=layout)
+        if self.mesh is None:  # op by op: no compile of the whole conversion before the first run
+            return dataclasses.replace(self, params=converted(self.params), layout=layout)
         with self.mesh_context():
             params = jax.jit(converted)(self.params)
         return dataclasses.replace(self, params=params, layout=layout)

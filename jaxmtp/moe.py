@@ -156,9 +156,10 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
     """Routed experts on their own weights (split layout), each run only where a token chose it.
 
     One token (a plain decode step): one lax.switch per expert it chose, over the E experts.
-    Several: one lax.switch per expert, which runs it not at all, on the one row that chose it (a
-    1-row product costs less than an N-row one), or on all N rows, and each token keeps its own
-    experts' outputs, weighted (benchmarks/decode_step.py --experts). With many tokens (prefill)
+    Several: one lax.cond per expert, which runs it on all N rows where any row chose it, and each
+    token keeps its own experts' outputs, weighted. A third branch running an expert on the one
+    row that chose it measured no faster at the few rows of a verify pass and made the auto loop
+    compile 1.4x longer (benchmarks/decode_step.py --rows 1,2,3,4). With many tokens (prefill)
     most experts run over every token, up to E / K times the routed FLOPs, which the few experts of
     a split layout keep small.
     x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights (up: E Nones where gate
@@ -170,19 +171,13 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
         chosen = jnp.clip(experts[0], 0, len(run) - 1)
         return sum(weights[0, k].astype(x.dtype) * jax.lax.switch(chosen[k], run, x) for k in range(len(chosen)))
     combine = (jax.nn.one_hot(experts, len(gate), dtype=x.dtype) * weights[..., None].astype(x.dtype)).sum(axis=1)
-    chosen = combine != 0  # [N, E]
-    count = chosen.sum(axis=0)  # [E] rows per expert: lax.switch clamps it to the last branch
-    row = jnp.argmax(chosen, axis=0)  # [E]: the row that chose the expert, where one did
+    chosen = (combine != 0).any(axis=0)  # [E]
     out = jnp.zeros_like(x)
     for e, expert in enumerate(run):
         def every_row(out, e=e, expert=expert):
             return out + combine[:, e:e + 1] * expert(x)
 
-        def one_row(out, e=e, expert=expert):
-            # Broadcast to all rows: combine[:, e] is 0 on every row but this one (no slice written back).
-            return out + combine[:, e:e + 1] * expert(jax.lax.dynamic_slice_in_dim(x, row[e], 1))
-
-        out = jax.lax.switch(count[e], (lambda out: out, one_row, every_row), out)  # no row, one row, several
+        out = jax.lax.cond(chosen[e], every_row, lambda out: out, out)
     return out
 
 

@@ -8,6 +8,8 @@ device between chunks; nothing but the token ids crosses over.
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -71,3 +73,27 @@ class Receiver:
         text = text.rstrip("\ufffd")
         hold = max((n for s in self._stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
         return text[:len(text) - hold]
+
+
+def echo(stream, prompt: list[int], tokenizer=None, file=None) -> tuple[float, float | None]:
+    """Runs `stream` (a `jaxmtp.TokenStream` of `prompt`), writing the prompt and then each chunk's
+    text to `file` (stdout) as it is committed: the text that can no longer change (a stop string's
+    start is held back), or the token ids without a tokenizer.
+
+    Returns (seconds the run took, seconds to the first new token or None)."""
+    file = file or sys.stdout
+    start, first, shown = time.perf_counter(), None, 0
+    print(tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else f"{prompt} ->", end="", file=file,
+          flush=True)
+    for tokens in stream:
+        if tokens and first is None:
+            first = time.perf_counter() - start
+        if tokenizer is None:
+            print("".join(f" {t}" for t in tokens), end="", file=file, flush=True)
+        else:
+            text = stream.text(final=False)
+            print(text[shown:], end="", file=file, flush=True)
+            shown = len(text)
+    seconds = time.perf_counter() - start
+    print(stream.text()[shown:] if tokenizer else "", end="\n\n", file=file, flush=True)
+    return seconds, first

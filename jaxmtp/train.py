@@ -224,3 +224,21 @@ def evaluate(model: Model, tokens: np.ndarray, seq_len: int = 256, batch: int = 
     return {"tokens": int((n // batch) * batch * seq_len), "main_loss": main, "main_perplexity": float(np.exp(main)),
             "main_top1": main_top1, "mtp_loss": mtp, "mtp_top1": mtp_top1, "unigram_loss": float(unigram),
             "unigram_perplexity": float(np.exp(unigram))}
+
+
+def record(cfg: TrainConfig, data_summary: dict, log: list[dict], held_out: dict, held_out_before: dict | None = None,
+           init: str | None = None, command: str | None = None) -> dict:
+    """What a checkpoint's training.json holds: the command and settings, the data it read
+    (`data.summary`), the last losses, and the held-out figures (`evaluate`) after training and,
+    for a fine-tuned checkpoint, before."""
+    figures = {"command": command, "train_config": dataclasses.asdict(cfg), "data": data_summary,
+               "final_losses": log[-1], "held_out": held_out, "held_out_before": held_out_before}
+    return figures if init is None else dict(figures, init=init)
+
+
+def describe(figures: dict) -> str:
+    """`evaluate`'s figures in one line."""
+    f = figures
+    return (f"main loss {f['main_loss']:.3f} (perplexity {f['main_perplexity']:.1f}, top-1 {f['main_top1']:.3f}), "
+            f"MTP loss {f['mtp_loss']:.3f} (top-1 {f['mtp_top1']:.3f}); unigram baseline loss "
+            f"{f['unigram_loss']:.3f} (perplexity {f['unigram_perplexity']:.1f})")

@@ -15,20 +15,26 @@ import pytest
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0").strip()
 sys.path.insert(0, os.path.dirname(__file__))  # the HF reference helpers
-# Round-cost calibrations (speculative_k="auto") go to a directory of this run, not the user's cache.
-_CACHE_DIR = os.environ["JAXMTP_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmtp-test-cache-")
-# One persistent compilation cache for this run, in a new directory: the notebook's kernel and the
-# CLI's subprocesses load the programs this process compiled before them (the compile-cache test
-# uses a directory of its own).
-os.environ["JAXMTP_COMPILE_CACHE"] = os.path.join(os.environ["JAXMTP_CACHE_DIR"], "xla")
+# Round-cost calibrations (speculative_k="auto") and compiled programs go to one new directory for
+# the whole run, not to the user's cache: the process that starts the run makes it, and the xdist
+# workers, the notebook's kernel and the CLI's subprocesses inherit it through the environment, so
+# each loads what another compiled before it (JAX writes each program once and treats an entry it
+# cannot read as a miss; the compile-cache test uses a directory of its own).
+_OWNER = "JAXMTP_TEST_CACHE_OWNER"
+if _OWNER not in os.environ:
+    os.environ[_OWNER] = str(os.getpid())
+    os.environ["JAXMTP_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmtp-test-cache-")
+    os.environ["JAXMTP_COMPILE_CACHE"] = os.path.join(os.environ["JAXMTP_CACHE_DIR"], "xla")
+_CACHE_DIR = os.environ["JAXMTP_CACHE_DIR"]
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Removes this process's cache directory (about 30 MB of compiled programs and calibrations);
-    each xdist worker and the controller made one of their own."""
-    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+    """The process that made the run's cache directory removes it (hundreds of MB of compiled
+    programs), after its workers have finished."""
+    if os.environ[_OWNER] == str(os.getpid()):
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

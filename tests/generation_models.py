@@ -24,6 +24,12 @@ import jaxmtp
 # stack of more than one; the auto and one-trace tests ran in 0.89-0.94 of their time with four.
 TINY = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").replace(num_hidden_layers=3)
 OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
+# For meshes of 8 devices: every sharded dimension divisible by 8 (8 heads, 8 experts, MLPs 128 / 32,
+# vocab 512). A query LoRA of 32 makes the decode layout fold W_uk into q_b_proj
+# (layout.absorbed_queries), whose columns the tensor axis then splits by head.
+MESH_CONFIG = TINY.replace(num_attention_heads=8, q_lora_rank=32)
+# Eight ragged prompts: a batch that a data axis of 2, 4 or 8 splits.
+MESH_PROMPTS = [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16], [100, 200], [9, 9, 9, 9], [1, 2], [300], [42, 43, 44]]
 CONTEXT = 0.7  # scale of the attention/FFN contributions in the "partial" model: ~60% acceptance
 
 

@@ -18,7 +18,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 
 import jaxmtp  # noqa: E402
 from jaxmtp.sharding import make_mesh  # noqa: E402
-from test_mesh import PROMPTS  # noqa: E402
+from generation_models import MESH_PROMPTS as PROMPTS  # noqa: E402
 
 assert jax.device_count() == 8 and jax.local_device_count() == 4
 mesh = make_mesh(data=2, expert=2, tensor=2)

@@ -122,14 +122,14 @@ def test_exchange_swaps_two_directories_in_one_step(tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "was").write_text(name)
-    assert save_module._exchange(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert save_module.exchange_directories(str(tmp_path / "a"), str(tmp_path / "b"))
     assert [(tmp_path / name / "was").read_text() for name in ("a", "b")] == ["b", "a"]
 
 
 def test_overwrite_without_an_atomic_exchange_falls_back_to_renames(models, tmp_path, monkeypatch):
     old, new = models
     _old_checkpoint(old, tmp_path / "dst", "orbax")
-    monkeypatch.setattr(save_module, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(save_module, "exchange_directories", lambda a, b: False)
     jaxmtp.save(new, tmp_path / "dst", overwrite=True)
     assert "README.md" not in os.listdir(tmp_path / "dst")
     assert _same_params(_load(tmp_path / "dst"), new)

@@ -10,6 +10,7 @@ import pytest
 import jaxmtp
 from jaxmtp import cli
 from jaxmtp.cli import main
+from jaxmtp.config import config_file
 
 
 def _fails(capsys, argv) -> str:
@@ -68,12 +69,12 @@ def test_a_bad_flag_value_is_refused_by_argparse(capsys, argv, flag, value):
 
 
 def test_flag_values_are_parsed():
-    args = cli._parser().parse_args(["bench", "--tokens", "1,2;3", "--ks", "1,8"])
+    args = cli.build_parser().parse_args(["bench", "--tokens", "1,2;3", "--ks", "1,8"])
     assert args.tokens == [[1, 2], [3]] and args.ks == [1, 8]
-    args = cli._parser().parse_args(["plan", "--config", "c.json", "--mesh", "expert=4,tensor=2", "--k", "0"])
+    args = cli.build_parser().parse_args(["plan", "--config", "c.json", "--mesh", "expert=4,tensor=2", "--k", "0"])
     assert args.mesh == {"data": 1, "expert": 4, "tensor": 2} and args.k == 0
-    assert cli._parser().parse_args(["generate"]).k == "auto"
-    assert cli._parser().parse_args(["convert", "a", "b", "--format", "hf", "--overwrite"]).overwrite
+    assert cli.build_parser().parse_args(["generate"]).k == "auto"
+    assert cli.build_parser().parse_args(["convert", "a", "b", "--format", "hf", "--overwrite"]).overwrite
 
 
 def test_a_missing_model_directory_is_one_line(capsys, tmp_path):
@@ -197,9 +198,9 @@ def test_configs_are_found_by_name_from_another_directory(capsys, monkeypatch, t
     main(["info", "--config", "deepseek_v3_671b"])
     assert "671.03 B" in capsys.readouterr().out  # the published 671B config's main-model parameters
     # forward's and train's defaults are such names (running forward would compile a model here).
-    for command in ("forward", "train"):
-        default = cli._parser()._subparsers._group_actions[0].choices[command].get_default("config")
-        assert os.path.isfile(cli._config_path(default)), (command, default)
+    for command in (["forward"], ["train", "--out", "x"]):
+        default = cli.build_parser().parse_args(command).config
+        assert os.path.isfile(config_file(default)), (command, default)
 
 
 def test_the_bench_plot_shows_every_k_on_integer_positions(tmp_path):

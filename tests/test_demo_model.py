@@ -28,9 +28,8 @@ def test_demo_model_drafts_are_accepted_on_held_out_code():
     """Greedy, batch 1, held-out standard-library prompts: k=1 acceptance >= 0.70, and the
     speculative tokens equal plain greedy decoding."""
     model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
-    held_out = data.encode(_tokenizer(), data.read(data.source_files()[1]))
     drafted = accepted = 0
-    for prompt in data.prompts_from(held_out, count=4, length=32):
+    for prompt in data.held_out_prompts(_tokenizer(), count=4, length=32):
         plain = jaxmtp.generate(model, [prompt], max_new_tokens=48)
         spec = jaxmtp.generate(model, [prompt], max_new_tokens=48, speculative_k=1)
         assert spec.tokens == plain.tokens

@@ -51,8 +51,8 @@ RUNNABLE = [page for page in PAGES if _python_blocks(page)]
 
 @pytest.fixture(scope="session")
 def docs_cache() -> pathlib.Path:
-    """This test process's cache directory (tests/conftest.py): compiled programs and round costs,
-    shared with the other tests it runs, the README's and the notebook's included."""
+    """The test run's cache directory (tests/conftest.py): compiled programs and round costs,
+    shared with the other tests, the README's and the notebook's included."""
     return pathlib.Path(os.environ["JAXMTP_CACHE_DIR"])
 
 

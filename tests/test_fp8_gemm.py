@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fp8_reference import assert_quantized_like_numpy, bits, numpy_act_quant, numpy_block_matmul
+from numpy_reference import assert_quantized_like_numpy, bits, numpy_act_quant, numpy_block_matmul
 
 from pallas_kernels import (Backend, act_quant, act_quant_reference, backend, fp8_block_matmul,
                             fp8_grouped_matmul)

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import generation_models as gm
 import jaxmtp
-from jaxmtp.decoding import AUTO_SEGMENT, TRACES, _refill, advance, start
+from jaxmtp.decoding import AUTO_SEGMENT, TRACES, advance, refill_drafts, start
 from jaxmtp.generation import AUTO_MAX_K, prepare, unpack
 from jaxmtp.layout import prefix_lengths
 
@@ -259,7 +259,7 @@ def test_auto_loop_updates_its_caches_in_place():
     static, params, inputs = prepared.static, prepared.params, prepared.inputs
     state = jax.eval_shape(start, static, params, inputs)
     caches = {f"{x.dtype.name[0]}{x.dtype.itemsize * 8}[{','.join(map(str, x.shape))}]"  # e.g. f32[4,64,8]
-              for x in jax.tree.leaves((state.caches, state.mtp_cache))}
+              for x in jax.tree.leaves((state.caches, state.drafts.cache))}
     program = advance.lower(static, params, state, inputs, jax.numpy.int32(1), jax.numpy.zeros_like(inputs.real))
     text = program.compile().as_text()
     assert all(cache in text for cache in caches)  # written as HLO writes types
@@ -278,14 +278,14 @@ def test_auto_keeps_the_draft_of_a_speculative_segment():
     state = start(static, params, inputs)
     for k in (0, 2, 3):  # a plain segment, the refill before the first speculative one, then none
         state = advance(static, params, state, inputs.replace(force_k=jax.numpy.int32(k)), jax.numpy.int32(1), halt)[0]
-    assert int(state.drafted[0]) > 0 and not bool(state.stale_draft) and not bool(state.done[0])
-    refilled = _refill(static, params, state, inputs.sampling, jax.random.key(0))
-    n = int(state.n[0])
-    assert int(refilled.draft[0]) == int(state.draft[0])
-    np.testing.assert_allclose(refilled.draft_hidden, state.draft_hidden, rtol=1e-5, atol=1e-6)
+    assert int(state.stats.drafted[0]) > 0 and not bool(state.auto.stale) and not bool(state.tokens.done[0])
+    refilled = refill_drafts(static, params, state, inputs.sampling, jax.random.key(0))
+    n, drafts = int(state.tokens.n[0]), state.drafts
+    assert int(refilled.token[0]) == int(drafts.token[0])
+    np.testing.assert_allclose(refilled.hidden, drafts.hidden, rtol=1e-5, atol=1e-6)
     for name in ("c_kv", "k_pe"):
-        np.testing.assert_allclose(getattr(refilled.mtp_cache, name)[:, n - AUTO_SEGMENT:n],
-                                   getattr(state.mtp_cache, name)[:, n - AUTO_SEGMENT:n], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(getattr(refilled.cache, name)[:, n - AUTO_SEGMENT:n],
+                                   getattr(drafts.cache, name)[:, n - AUTO_SEGMENT:n], rtol=1e-5, atol=1e-6)
 
 
 def test_auto_follows_acceptance():
@@ -315,11 +315,11 @@ def test_auto_drafts_afresh_after_rounds_at_k0():
     state = start(static, params, inputs)
     for k in (0, AUTO_MAX_K):  # one segment each
         state = advance(static, params, state, inputs.replace(force_k=jax.numpy.int32(k)), jax.numpy.int32(1), halt)[0]
-    assert np.asarray(state.rounds_at)[0].tolist() == [AUTO_SEGMENT] + [0] * (AUTO_MAX_K - 1) + [AUTO_SEGMENT]
-    assert int(state.accepted[0]) == int(state.drafted[0]) == AUTO_SEGMENT * AUTO_MAX_K
+    assert np.asarray(state.stats.rounds_at)[0].tolist() == [AUTO_SEGMENT] + [0] * (AUTO_MAX_K - 1) + [AUTO_SEGMENT]
+    assert int(state.stats.accepted[0]) == int(state.stats.drafted[0]) == AUTO_SEGMENT * AUTO_MAX_K
     plain = jaxmtp.generate(gm.model("always"), [[3, 4, 5]], max_new_tokens=100).tokens[0]
-    count = int(state.count[0])
-    assert np.asarray(state.seq)[0, 3:3 + count].tolist() == plain[:count]
+    count = int(state.tokens.count[0])
+    assert np.asarray(state.tokens.seq)[0, 3:3 + count].tolist() == plain[:count]
 
 
 @pytest.mark.parametrize("segments", [(0, AUTO_MAX_K), (AUTO_MAX_K,)])
@@ -335,12 +335,12 @@ def test_auto_mtp_cache_is_whole_after_rounds_at_k0(segments):
     state = start(static, params, inputs)
     for k in segments:
         state = advance(static, params, state, inputs.replace(force_k=jax.numpy.int32(k)), jax.numpy.int32(1), halt)[0]
-    n, seq = np.asarray(state.n), np.asarray(state.seq)
+    n, seq = np.asarray(state.tokens.n), np.asarray(state.tokens.seq)
     reached = [seq[row, :n[row]].tolist() for row in range(len(prompts))]
     fresh = prepare(model, reached, max_new_tokens=1, speculative_k=1)
-    want = start(fresh.static, fresh.params, fresh.inputs).mtp_cache
+    want = start(fresh.static, fresh.params, fresh.inputs).drafts.cache
     for row, length in enumerate(n):
-        for got, ref in ((state.mtp_cache.c_kv, want.c_kv), (state.mtp_cache.k_pe, want.k_pe)):
+        for got, ref in ((state.drafts.cache.c_kv, want.c_kv), (state.drafts.cache.k_pe, want.k_pe)):
             np.testing.assert_allclose(np.asarray(got)[row, :length], np.asarray(ref)[row, :length], atol=2e-5)
 
 

@@ -143,7 +143,7 @@ def test_layout_rules():
 
 
 def test_split_experts_match_the_per_token_formula():
-    from test_routing import reference_experts
+    from numpy_reference import reference_experts
 
     from jaxmtp.moe import split_experts
 

@@ -92,11 +92,11 @@ def test_chunked_prefill_writes_the_caches_of_one_pass(monkeypatch):
     chunked = prepare(model, PROMPTS, prefill_chunk=16, **options)
     a, b = (start(p.static, p.params, p.inputs) for p in (whole, chunked))
     for row, length in enumerate(whole.lengths[:len(PROMPTS)]):
-        for got, want in zip(jax.tree.leaves((b.caches, b.mtp_cache)), jax.tree.leaves((a.caches, a.mtp_cache))):
+        for got, want in zip(jax.tree.leaves((b.caches, b.drafts.cache)), jax.tree.leaves((a.caches, a.drafts.cache))):
             np.testing.assert_allclose(got[row, :length], want[row, :length], atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
-    np.testing.assert_allclose(b.draft_hidden, a.draft_hidden, atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(b.draft, a.draft)
+    np.testing.assert_allclose(b.tokens.logprobs, a.tokens.logprobs, atol=1e-5)
+    np.testing.assert_allclose(b.drafts.hidden, a.drafts.hidden, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(b.drafts.token, a.drafts.token)
 
 
 def test_chunked_prefill_on_a_data_parallel_mesh(monkeypatch):

@@ -9,7 +9,8 @@ import sys
 
 import generation_models as gm
 import jaxmtp
-from test_mesh import CONFIG, PROMPTS
+
+CONFIG, PROMPTS = gm.MESH_CONFIG, gm.MESH_PROMPTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import jaxmtp
 from jaxmtp.moe import route, top_two_sum
+from numpy_reference import reference_experts
 
 
 def reference_route(logits, bias, n_group, topk_group, top_k, norm, scale):
@@ -61,17 +62,6 @@ def test_top_two_sum_is_the_sum_of_the_two_largest():
     for size in (2, 3, 8):  # the demo's groups hold 2 experts, DeepSeek-V3's 32
         want = np.sort(x[..., :size], axis=-1)[..., -2:].sum(-1)
         np.testing.assert_array_equal(top_two_sum(jnp.asarray(x[..., :size])), want)
-
-
-def reference_experts(x, weights, experts, gate, up, down):
-    """Per token: sum over its chosen experts e of w * down_e(silu(gate_e x) * up_e x), float64."""
-    x, gate, up, down = (a.astype(np.float64) for a in (x, gate, up, down))
-    out = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for w, e in zip(weights[t], experts[t]):
-            g = gate[e] @ x[t]
-            out[t] += w * (down[e] @ (g / (1 + np.exp(-g)) * (up[e] @ x[t])))
-    return out
 
 
 @settings(max_examples=10, deadline=None)

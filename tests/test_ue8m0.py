@@ -70,12 +70,11 @@ def test_v31_checkpoint_loads_and_generates_with_both_matmuls(v31_checkpoint):
     stored = saved["moe_layers"]["layers"]["mlp"]["experts"]["up_proj"].scale
     np.testing.assert_array_equal(np.asarray(weight.scale), stored)  # used as stored ...
     assert not np.all(np.log2(stored) == np.round(np.log2(stored)))  # ... and not powers of two
-    for matmul, model in models.items():
-        plain = jaxmtp.generate(model, prompts, max_new_tokens=6).tokens
-        speculative = jaxmtp.generate(model, prompts, max_new_tokens=6, speculative_k=2).tokens
-        assert [len(row) for row in plain] == [len(row) for row in speculative] == [6, 6]
-        if matmul == "dequant":  # W8A8 rounds the k + 1 verify rows' activations apart (test_fp8_model)
-            assert speculative == plain
+    # Speculative decoding with the W8A8 kernels is tests/test_fp8_model.py's: their rounding of the
+    # k + 1 verify rows' activations keeps it from equalling plain decoding in every row.
+    assert [len(row) for row in jaxmtp.generate(models["fp8"], prompts, max_new_tokens=6).tokens] == [6, 6]
+    plain = jaxmtp.generate(models["dequant"], prompts, max_new_tokens=6).tokens
+    assert jaxmtp.generate(models["dequant"], prompts, max_new_tokens=6, speculative_k=2).tokens == plain
     # The kernels quantize the activations with the rounded scales: one layer's product equals
     # float64 numpy over DeepSeek's formula, and the model's logits differ from amax / 448 scales'.
     w = weight.replace(value=weight.value[0, 0], scale=weight.scale[0, 0])  # layer 0, expert 0: [I, D]

@@ -32,8 +32,7 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
 
     model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
     tokenizer = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json"))
-    held_out = data.encode(tokenizer, data.read(data.source_files()[1]))
-    prompts = data.prompts_from(held_out, prompt_count, prompt_len)
+    prompts = data.held_out_prompts(tokenizer, prompt_count, prompt_len)
 
     def compiled(k, new):
         """Per prompt: (run the compiled loop, its new-token count from what it returns)."""
@@ -48,7 +47,7 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
                     prepared = generation.calibrated(prepared)
                     run = prepared.run
                 jax.block_until_ready(prepared.run(prepared.limited(1)))  # compiles, once per bucket
-                runs.append((run, lambda state: int(state.count[0])))
+                runs.append((run, lambda state: int(getattr(state, "tokens", state).count[0])))  # older trees: a flat state
             return runs
         runs, cache = [], {}  # an engine before `Prepared.run`: one jitted function over positional arguments
         for p in prompts:

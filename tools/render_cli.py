@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     import jaxmtp
     from jaxmtp import cli
 
-    parser = cli._parser()
+    parser = cli.build_parser()
     for sub in [parser, *_subcommands(parser).values()]:
         for action in sub._actions:
             if action.default == jaxmtp.DEMO_MODEL:

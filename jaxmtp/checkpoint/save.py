@@ -143,13 +143,13 @@ def _move_into_place(staged: str, path: str, overwrite: bool):
     """Publishes the finished checkpoint `staged` as `path`; any old one ends up beside `staged`, in
     the temporary directory that `write_checkpoint` deletes."""
     if overwrite and os.path.isdir(path):
-        if not _exchange(staged, path):
+        if not exchange_directories(staged, path):
             _swap_by_renames(staged, path)
     else:
         os.rename(staged, path)  # onto nothing or an empty directory; the OS refuses a non-empty one
 
 
-def _exchange(a: str, b: str) -> bool:
+def exchange_directories(a: str, b: str) -> bool:
     """Swaps directories `a` and `b` atomically with Linux's renameat2(RENAME_EXCHANGE); False where
     the OS, libc or filesystem lacks it (ENOSYS, EINVAL)."""
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
