@@ -32,7 +32,8 @@ def worker(prompt_count: int, prompt_len: int, max_new_tokens: int, ks: list[int
 
     model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
     tokenizer = Tokenizer.from_file(os.path.join(jaxmtp.DEMO_MODEL, "tokenizer.json"))
-    prompts = data.held_out_prompts(tokenizer, prompt_count, prompt_len)
+    # The parts, not data.held_out_prompts: an earlier tree's jaxmtp runs this too.
+    prompts = data.prompts_from(data.encode(tokenizer, data.read(data.source_files()[1])), prompt_count, prompt_len)
 
     def compiled(k, new):
         """Per prompt: (run the compiled loop, its new-token count from what it returns)."""
