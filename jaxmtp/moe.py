@@ -158,8 +158,9 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
     One token (a plain decode step): one lax.switch per expert it chose, over the E experts.
     Several: one lax.cond per expert, which runs it on all N rows where any row chose it, and each
     token keeps its own experts' outputs, weighted. A third branch running an expert on the one
-    row that chose it measured no faster at the few rows of a verify pass and made the auto loop
-    compile 1.4x longer (benchmarks/decode_step.py --rows 1,2,3,4). With many tokens (prefill)
+    row that chose it measured no faster at the few rows of a verify pass
+    (benchmarks/decode_step.py --rows 1,2,3,4) and made every round variant compile longer
+    (benchmarks/compile_cache.py). With many tokens (prefill)
     most experts run over every token, up to E / K times the routed FLOPs, which the few experts of
     a split layout keep small.
     x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights (up: E Nones where gate
