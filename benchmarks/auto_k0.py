@@ -1,8 +1,9 @@
 """What a round of the auto loop at k = 0 costs against a step of the plain decoding loop.
 
-speculative_k="auto" runs its own loop whatever the acceptance: where no k pays, its rounds run at
-k = 0, which compile to the plain step's kernels plus the loop's bookkeeping (the segment loops,
-the window of main hidden states, the acceptance counts). For the demo model and the README's
+Where drafting pays at the prior, speculative_k="auto" runs its own loop, and its stretches of low
+acceptance run at k = 0, which compile to the plain step's kernels plus the loop's bookkeeping (the
+segment loops, the window of main hidden states, the acceptance counts); where no k pays, auto
+runs the plain loop instead, because of this cost. For the demo model and the README's
 prompt (or, with --prompt-len, the first held-out prompt of that many tokens, as `jaxmtp bench`
 takes them), greedy, each --batch and --new-tokens: the plain loop and the auto loop with every round
 forced to k = 0, each timed after an untimed prefill, alternating --pairs times; printed: the
