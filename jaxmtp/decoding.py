@@ -147,6 +147,7 @@ class Stats:
 
     @classmethod
     def zeros(cls, batch: int, k: int) -> Stats:
+        """No rounds yet, for `batch` rows and up to k drafts; steps counts the prefill."""
         rows = jnp.zeros((batch,), jnp.int32)
         return cls(rounds=rows, drafted=rows, accepted=rows, accepted_at=jnp.zeros((batch, k), jnp.int32),
                    rounds_at=jnp.zeros((batch, k + 1), jnp.int32), counts=AcceptanceCounts.zeros(k),

@@ -19,6 +19,7 @@ Dtype = Any
 
 
 def normal_init(stddev: float, axes: tuple[str, ...]):
+    """A normal(stddev) initializer whose parameter carries the logical axis names `axes`."""
     return nn.with_logical_partitioning(nn.initializers.normal(stddev), axes)
 
 

@@ -213,6 +213,9 @@ class MLA(nn.Module):
         return up_projections(as_dense(self.kv_b_proj.weight, self.dtype), self.config)
 
     def attend_expanded(self, q_nope, q_pe, c_kv, k_pe, mask):
+        """Attention with per-head keys and values rebuilt from the latent (the prefill's form).
+        q_nope [B, T, H, N], q_pe [B, T, H, R], c_kv [B, S, C], k_pe [B, S, R], mask [B, T, S]
+        -> [B, T, H, V]."""
         w_uk, w_uv = self.up_projections()
         k_nope = jnp.einsum("bsc,hnc->bshn", c_kv, w_uk.astype(c_kv.dtype))
         v = jnp.einsum("bsc,hcv->bshv", c_kv, w_uv.astype(c_kv.dtype))

@@ -100,12 +100,15 @@ class Model:
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def apply_forward(config, dtype, layout, params, tokens):
+    """The main model over tokens [B, T] at positions 0..T-1 -> (logits [B, T, V], hidden [B, T, D])."""
     logits, hidden, _ = module(config, dtype, layout=layout).apply({"params": params}, tokens, positions_for(tokens))
     return logits, hidden
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def apply_mtp_forward(config, dtype, layout, params, hidden, next_tokens):
+    """The MTP layer over main hidden states [B, T, D] and the tokens after them [B, T] -> logits
+    [B, T, V] of the token after those."""
     logits, _, _ = module(config, dtype, layout=layout).apply({"params": params}, hidden, next_tokens,
                                                               positions_for(next_tokens), method=DeepseekV3.mtp_step)
     return logits

@@ -21,6 +21,8 @@ from jaxmtp.transformer import DeepseekV3
 
 
 def module(config: ModelConfig, dtype=jnp.float32, absorbed: bool = False, layout: Layout = CHECKPOINT) -> DeepseekV3:
+    """The Flax model for `config`, computing in `dtype`, attending in the absorbed form (decode
+    and verify passes) or expanded (prefill), reading parameters in `layout`."""
     return DeepseekV3(config, jnp.dtype(dtype), absorbed, layout)
 
 
@@ -30,6 +32,7 @@ def positions_for(tokens: jax.Array) -> jax.Array:
 
 
 def init_variables(config: ModelConfig, dtype, rng, layout: Layout = CHECKPOINT):
+    """Random variables of every module (main stacks and MTP layer) in `layout`, from key `rng`."""
     tokens = jnp.zeros((1, 1), jnp.int32)
     return module(config, dtype, layout=layout).init(rng, tokens, positions_for(tokens), method=DeepseekV3.init_all)
 

@@ -210,6 +210,7 @@ def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: floa
 
 
 def fit_report(results: list[dict], device: str) -> str:
+    """`fit`'s results as the table `jaxmtp plan --fit` prints: one row per batch."""
     gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
     lines = [f"largest cache (= prompt, prefilled in chunks of {results[0]['prefill_chunk']}) that fits {device}, "
              f"by batch:" if results else f"nothing fits {device}",
@@ -222,6 +223,8 @@ def fit_report(results: list[dict], device: str) -> str:
 
 
 def report(figures: dict) -> str:
+    """`plan`'s figures as `jaxmtp plan` prints them: per-device memory by kind, the fit on each
+    device in DEVICES, and the largest temporaries."""
     gb = lambda b: f"{b / 1e9:8.2f} GB"  # noqa: E731
     m = figures["mesh"]
     total = total_bytes(figures)

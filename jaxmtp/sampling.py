@@ -25,6 +25,7 @@ class SamplingMode:
 
     @classmethod
     def of(cls, temperature: float, top_k: int, top_p: float) -> "SamplingMode":
+        """The mode these settings need: greedy at temperature 0, else which filters apply."""
         if temperature == 0:
             return cls()
         return cls(greedy=False, top_k=top_k > 0, top_p=top_p < 1.0)

@@ -125,6 +125,8 @@ def _labels(params, mtp_only):
 
 
 def optimizer(params, cfg: TrainConfig):
+    """AdamW with warmup and cosine decay, clipped at global norm 1, no weight decay on vectors;
+    parameters outside the trained set (all but `mtp` with mtp_only) are frozen."""
     warmup = min(cfg.warmup, cfg.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1),
                                                   cfg.learning_rate / 10)
@@ -158,6 +160,8 @@ def _replace_bias(tree, path, fn, load):
 
 @partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
 def train_step(config, cfg: TrainConfig, tx, params, opt_state, tokens):
+    """One optimizer step on tokens [B, T + 2] -> (params, opt_state, main loss, MTP loss); the
+    routing biases then move by the aux-loss-free rule (`update_biases`)."""
     def loss_fn(p):
         if cfg.mtp_only:
             main, steps, loads = chained_distillation(p, tokens, config, cfg.mtp_depth)
