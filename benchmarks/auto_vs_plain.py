@@ -4,7 +4,7 @@ padding, the loop, unpacking), after one untimed call of each that compiles and 
 
 Auto must cost nothing where speculation cannot pay: where no k > 0 pays at the prior's acceptance
 at this machine's calibrated round costs, auto runs the plain loop. --costs forces the round costs
-(k = 0..3 in plain steps, e.g. 1.1,1.85,2.3,2.7) to measure that case on a machine where
+(k = 0..3 in plain steps, 0..2 on a CPU, e.g. 1.1,1.85,2.3) to measure that case on a machine where
 drafting pays.
 
     python benchmarks/auto_vs_plain.py [--prompts 8] [--max-new-tokens 64] [--repeats 5]
@@ -28,7 +28,7 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--costs", help="force these round costs (k = 0..3, plain steps) instead of calibrating")
+    parser.add_argument("--costs", help="force these round costs (k = 0..3, 0..2 on a CPU; plain steps) instead of calibrating")
     parser.add_argument("--json", help="write the figures and raw times, with their provenance, here")
     args = parser.parse_args()
     if args.costs:

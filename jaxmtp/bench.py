@@ -42,7 +42,7 @@ def run(model: Model, prompts: list[list[int]], ks=(1, 2, 3, 4), max_new_tokens:
     the round cost in plain steps (from the calibration that auto uses), the ideal speedup that
     the measured acceptance and costs allow (mean accepted length / round cost; for auto, the best
     of the fixed k), and achieved / ideal. Auto's row also holds the calibrated costs it chose from
-    ("round_costs", k = 0..AUTO_MAX_K in plain steps) and its time against the fastest of plain and
+    ("round_costs", k = 0..generation.auto_max_k in plain steps) and its time against the fastest of plain and
     the fixed k ("best", "decode_best": that k, by speedup and by decode speedup; "vs_best",
     "decode_vs_best": the median over repeats of that k's seconds / auto's).
 
@@ -93,7 +93,7 @@ def _paired_speedup(base: list[float], other: list[float]) -> float:
 
 
 def _round_costs(runs) -> list[float] | None:
-    """The calibrated round costs of the auto runs (k = 0..AUTO_MAX_K), if auto ran."""
+    """The calibrated round costs of the auto runs (k = 0..generation.auto_max_k), if auto ran."""
     return runs["auto"][0].costs if "auto" in runs else None
 
 

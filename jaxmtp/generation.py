@@ -22,16 +22,23 @@ from jaxmtp import adaptive, calibration, checks, compile_cache, streaming
 from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, DecodeState, Inputs, Static, advance, start
 from jaxmtp.errors import ArgumentTypeError, InputError
 from jaxmtp.generation_config import GenerationConfig
-from jaxmtp.layout import CHECKPOINT
+from jaxmtp.layout import CHECKPOINT, platform
 from jaxmtp.model import Model
 from jaxmtp.sampling import SamplingMode, SamplingParams
 from jaxmtp.stats import GenerationStats
 
 MAX_SPECULATIVE_K = 8
-# speculative_k="auto" chooses among k = 0..AUTO_MAX_K. Each k is a round variant the auto loop
-# compiles and calibration times; k = 4 was the fastest fixed k in no `jaxmtp bench` run of the demo
-# (docs/performance.md), so it costs a first run its compile and measuring for nothing.
+# speculative_k="auto" chooses among k = 0..AUTO_MAX_K, on a CPU among k = 0..AUTO_MAX_K_CPU. Each k
+# is a round variant that the auto loop compiles and calibration times, which a machine's first run
+# waits for (benchmarks/compile_cache.py). No `jaxmtp bench` run of the demo found k = 4 the fastest
+# fixed k, and none on a CPU found k = 3 faster than k = 2 (docs/performance.md).
 AUTO_MAX_K = 3
+AUTO_MAX_K_CPU = 2
+
+
+def auto_max_k(model: Model) -> int:
+    """The most drafts per round that speculative_k="auto" chooses from for this model's platform."""
+    return AUTO_MAX_K_CPU if platform(model.params, model.mesh) == "cpu" else AUTO_MAX_K
 # Streaming runs the loop in chunks of loop steps: 1, 2, 4, ... until a chunk takes this long, so
 # that the first tokens come after the prefill and one round, and the later chunks' cost of a host
 # round trip (about half a millisecond on a CPU) is small beside their run time.
@@ -130,7 +137,9 @@ class Prepared:
     chose_plain: bool = False  # auto: no k pays at these costs, so the plain loop runs
 
     def with_costs(self, costs: list[float]) -> "Prepared":
-        """Auto with these round costs (in steps of the plain loop)."""
+        """Auto with these round costs (in steps of the plain loop), one per k in 0..static.k."""
+        if len(costs) != self.static.k + 1:
+            raise InputError(f"round costs: expected {self.static.k + 1} (k = 0..{self.static.k}), found {len(costs)}")
         return dataclasses.replace(self, inputs=self.inputs.replace(costs=jnp.asarray(costs, jnp.float32)),
                                    costs=costs)
 
@@ -148,6 +157,8 @@ class Prepared:
 
     def forced(self, k: int, new_tokens: int) -> Inputs:
         """Inputs for a calibration run: every round at k, at most new_tokens per row, no stops."""
+        if not 0 <= k <= self.static.k:
+            raise InputError(f"forced k: expected 0..{self.static.k}, the auto loop's round variants; found {k}")
         inputs = self.limited(new_tokens)
         return inputs.replace(stops=jnp.full_like(inputs.stops, NEVER), force_k=jnp.int32(k))
 
@@ -213,7 +224,7 @@ def prepare(model: Model, prompts, config: GenerationConfig | None = None, **ove
     model = model.decoding()
     auto = g.speculative_k == "auto"
     c, n = model.config, len(prompts)
-    k = (AUTO_MAX_K if c.has_mtp else 0) if auto else int(g.speculative_k)
+    k = (auto_max_k(model) if c.has_mtp else 0) if auto else int(g.speculative_k)
     top_k = 0 if g.top_k >= c.vocab_size else int(g.top_k)  # keeping the whole vocabulary is no filter
     lengths = np.array([len(p) for p in prompts], np.int32)
     batch, width = bucket(n, 1), prompt_width(int(lengths.max()), g.prefill_chunk)
@@ -312,7 +323,7 @@ def generate(model: Model, prompts, config: GenerationConfig | None = None, *, t
       config: a `GenerationConfig`; its fields can also be given (or overridden) as keyword
         arguments: max_new_tokens, temperature, top_k, top_p, speculative_k, eos_token_id,
         stop_token_ids, stop, seed, return_logprobs. speculative_k="auto" chooses k in
-        0..AUTO_MAX_K as it goes, from the measured cost of a round at each k on this device
+        0..`auto_max_k(model)` (3, or 2 on a CPU) as it goes, from the measured cost of a round at each k on this device
         (jaxmtp.calibration, measured on first use and cached on disk) and the acceptance so far
         (jaxmtp.adaptive). Greedy output is identical to plain greedy; sampled output has the
         same distribution.
