@@ -28,7 +28,8 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--costs", help="force these round costs (k = 0..3, 0..2 on a CPU; plain steps) instead of calibrating")
+    parser.add_argument("--costs",
+                        help="force these round costs (k = 0..3, 0..2 on a CPU; plain steps) instead of calibrating")
     parser.add_argument("--json", help="write the figures and raw times, with their provenance, here")
     args = parser.parse_args()
     if args.costs:

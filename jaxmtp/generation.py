@@ -34,11 +34,6 @@ MAX_SPECULATIVE_K = 8
 # fixed k, and none on a CPU found k = 3 faster than k = 2 (docs/performance.md).
 AUTO_MAX_K = 3
 AUTO_MAX_K_CPU = 2
-
-
-def auto_max_k(model: Model) -> int:
-    """The most drafts per round that speculative_k="auto" chooses from for this model's platform."""
-    return AUTO_MAX_K_CPU if platform(model.params, model.mesh) == "cpu" else AUTO_MAX_K
 # Streaming runs the loop in chunks of loop steps: 1, 2, 4, ... until a chunk takes this long, so
 # that the first tokens come after the prefill and one round, and the later chunks' cost of a host
 # round trip (about half a millisecond on a CPU) is small beside their run time.
@@ -56,6 +51,11 @@ class GenerationOutput:
     tokens: list[list[int]]
     stats: GenerationStats
     logprobs: list[list[float]] | None = None
+
+
+def auto_max_k(model: Model) -> int:
+    """The most drafts per round that speculative_k="auto" chooses from for this model's platform."""
+    return AUTO_MAX_K_CPU if platform(model.params, model.mesh) == "cpu" else AUTO_MAX_K
 
 
 def bucket(n: int, smallest: int) -> int:
@@ -323,9 +323,9 @@ def generate(model: Model, prompts, config: GenerationConfig | None = None, *, t
       config: a `GenerationConfig`; its fields can also be given (or overridden) as keyword
         arguments: max_new_tokens, temperature, top_k, top_p, speculative_k, eos_token_id,
         stop_token_ids, stop, seed, return_logprobs. speculative_k="auto" chooses k in
-        0..`auto_max_k(model)` (3, or 2 on a CPU) as it goes, from the measured cost of a round at each k on this device
-        (jaxmtp.calibration, measured on first use and cached on disk) and the acceptance so far
-        (jaxmtp.adaptive). Greedy output is identical to plain greedy; sampled output has the
+        0..`auto_max_k(model)` (3, or 2 on a CPU) as it goes, from the measured cost of a round at
+        each k on this device (jaxmtp.calibration, measured on first use and cached on disk) and
+        the acceptance so far (jaxmtp.adaptive). Greedy output is identical to plain greedy; sampled output has the
         same distribution.
       tokenizer: decodes tokens for `stop` strings (anything with decode(ids) -> str).
     A row also stops at max_position_embeddings tokens in all.
