@@ -503,8 +503,7 @@ def _train(args):
         after = train.evaluate(model, corpus.held_out, args.seq_len)
         corpus.tokenizer.save(os.path.join(staging, "tokenizer.json"))
         command = "jaxmtp " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("jaxmtp") else None
-        figures = train.record(cfg, corpus.summary(), log, after, before,
-                               init=args.init, command=command)
+        figures = train.record(cfg, corpus.summary(), log, after, before, init=args.init, command=command)
         with open(os.path.join(staging, "training.json"), "w") as f:
             json.dump(figures, f, indent=2, default=float)
         if not args.mtp_only:

@@ -398,8 +398,11 @@ def _warmed(prepared: Prepared, progress=_silent) -> Prepared:
     prepared = calibrated(prepared, progress)
     if not prepared.static.auto and not prepared.chose_plain:  # auto compiled its loops to measure them
         progress(COMPILING)
-    ks = range(prepared.static.k + 1) if prepared.static.auto else [prepared.static.k]
-    for inputs in [prepared.forced(k, k + 2) if prepared.static.auto else prepared.limited(2) for k in ks]:
+    if prepared.static.auto:
+        runs = [prepared.forced(k, k + 2) for k in range(prepared.static.k + 1)]
+    else:
+        runs = [prepared.limited(2)]
+    for inputs in runs:
         jax.block_until_ready(prepared.run(inputs))
     return prepared
 

@@ -85,9 +85,8 @@ class Layout:
 
 
     def on_cpu(self, split_experts: bool) -> Layout:
-        """This layout with the CPU-only arrangements: prefix attention, and (where asked, for
-        unrolled layers not kept in FP8) split experts."""
-        return dataclasses.replace(self, prefix_attention=True, split_experts=split_experts and self.inputs_first)
+        """This layout with the CPU-only arrangements: prefix attention, and split experts where asked."""
+        return dataclasses.replace(self, prefix_attention=True, split_experts=split_experts)
 
 
 # The presets that `decode_layout` chooses from (before `Layout.on_cpu`):
@@ -116,20 +115,19 @@ def decode_layout(config: ModelConfig, params, mesh=None) -> Layout:
     """The layout to decode this model in: CHECKPOINT for models of more than MAX_UNROLLED_BYTES of
     parameters; UNROLLED for weights kept in FP8 (their kernels take [out, in] blocks); REARRANGED
     for dense models, less joint_projections where a mesh splits them over `tensor` and
-    absorbed_queries where the folded weight is larger. On a CPU, `Layout.on_cpu`, splitting the
-    experts where there are at most MAX_SPLIT_EXPERTS and no mesh axis runs them expert-parallel
-    (that needs the stack)."""
+    absorbed_queries where the folded weight is larger. On a CPU, `Layout.on_cpu`, splitting a
+    dense model's experts where there are at most MAX_SPLIT_EXPERTS and no mesh axis runs them
+    expert-parallel (that needs the stack)."""
     if _bytes(params) > MAX_UNROLLED_BYTES:
         return CHECKPOINT
     tensor = mesh is not None and mesh.shape.get("tensor", 1) > 1
     parallel = tensor or (mesh is not None and bool(expert_axes(mesh, config.n_routed_experts)))
-    layout = UNROLLED
-    if not is_quantized(params):
-        layout = dataclasses.replace(REARRANGED, joint_projections=not tensor,
-                                     absorbed_queries=absorbing_is_no_larger(config))
+    quantized = is_quantized(params)
+    layout = UNROLLED if quantized else dataclasses.replace(REARRANGED, joint_projections=not tensor,
+                                                            absorbed_queries=absorbing_is_no_larger(config))
     if platform(params, mesh) != "cpu":
         return layout
-    return layout.on_cpu(split_experts=config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel)
+    return layout.on_cpu(split_experts=not quantized and config.n_routed_experts <= MAX_SPLIT_EXPERTS and not parallel)
 
 
 def absorbing_is_no_larger(config: ModelConfig) -> bool:

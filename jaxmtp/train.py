@@ -233,7 +233,7 @@ def evaluate(model: Model, tokens: np.ndarray, seq_len: int = 256, batch: int = 
 def record(cfg: TrainConfig, data_summary: dict, log: list[dict], held_out: dict, held_out_before: dict | None = None,
            init: str | None = None, command: str | None = None) -> dict:
     """What a checkpoint's training.json holds: the command and settings, the data it read
-    (`data.summary`), the last losses, and the held-out figures (`evaluate`) after training and,
+    (`data.Corpus.summary`), the last losses, and the held-out figures (`evaluate`) after training and,
     for a fine-tuned checkpoint, before."""
     figures = {"command": command, "train_config": dataclasses.asdict(cfg), "data": data_summary,
                "final_losses": log[-1], "held_out": held_out, "held_out_before": held_out_before}
