@@ -67,7 +67,8 @@ def main():
           f"{' (forced)' if args.costs else ''}; auto chose {'plain decoding' if stats.chose_plain else 'to draft'}; "
           f"auto / plain tokens/s = {ratio:.3f} (median over {args.repeats} repeats of {len(prompts)} calls each)")
     if args.json:
-        write(args.json, "auto_vs_plain", figures, {"seconds": seconds}, args.repeats)
+        write(args.json, "auto_vs_plain", figures, {"seconds": seconds}, args.repeats,
+              prompts_sha256=data.prompts_sha256())
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def main() -> None:
         looped, tokens = python_loop_seconds(model, prompts, args.repeats, speculative_k=k, **kwargs)
         assert tokens == out.tokens
         j, p = statistics.median(jitted), statistics.median(looped)
-        rounds = out.stats["main_forward_passes"] - 1
+        rounds = out.stats.main_forward_passes - 1
         print(f"k={k}: one jitted while_loop {j * 1e3:.1f} ms vs Python loop of jitted rounds {p * 1e3:.1f} ms "
               f"({rounds} rounds): jitted loop {p / j:.2f}x faster")
 

@@ -1,6 +1,11 @@
 """Renders docs/performance.md and the README's results table from the results JSON in
 benchmarks/results/ (each with its provenance), so that no figure in the docs is typed by hand.
 
+Each footnote names the commit its figures were measured at (and whether the tree had uncommitted
+changes), and says where the engine (jaxmtp/, pallas_kernels/) has changed since: by the engine's
+hash where the result records one, else by git against that commit. A change to the engine can
+thus make the page stale once per result; rendering again is part of such a change.
+
     python benchmarks/render.py          # writes docs/performance.md and README.md's table
     python benchmarks/render.py --check  # exit status 1 if either is stale
 """
@@ -8,9 +13,14 @@ benchmarks/results/ (each with its provenance), so that no figure in the docs is
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from jaxmtp import data  # noqa: E402  (this checkout's, not an installed copy)
+from jaxmtp.provenance import ENGINE, engine_sha256  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PAGE = os.path.join(ROOT, "docs", "performance.md")
 README = os.path.join(ROOT, "README.md")
@@ -25,16 +35,62 @@ def load(name: str) -> dict | None:
         return json.load(f)
 
 
+def engine_changed(p: dict) -> bool:
+    """Whether the engine (ENGINE) in this checkout differs from the one the figures were measured
+    on: by the engine hash the result records, else by git between the commit of the tree that ran
+    (tree_commit, else commit) and the working tree, untracked files included."""
+    if p.get("engine_sha256"):
+        return p["engine_sha256"] != engine_sha256(ROOT)
+    commit = p.get("tree_commit") or p["commit"]
+    diff = subprocess.run(["git", "diff", "--quiet", commit, "--", *ENGINE], cwd=ROOT, capture_output=True)
+    if diff.returncode not in (0, 1):
+        raise LookupError(f"git cannot compare commit {commit} with this checkout ({diff.stderr.decode().strip()}): "
+                          "rendering needs the commits the results name (a full clone, not a shallow one)")
+    untracked = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "--", *ENGINE], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    return diff.returncode == 1 or bool(untracked)
+
+
+def measured_at(p: dict) -> str:
+    """The commit the figures were measured at, its uncommitted-changes flag, the tree's commit where
+    it was another, and whether the engine has changed since."""
+    dirty = {True: "with uncommitted changes", False: "without uncommitted changes",
+             None: "uncommitted changes not recorded"}[p["uncommitted_changes"]]
+    tree = (f" (as the device's git named it; the files run were `{p['tree_commit'][:7]}`'s, see `tree_reason`)"
+            if p.get("tree_commit") else "")
+    since = "; the engine (`jaxmtp/`, `pallas_kernels/`) has changed since" if engine_changed(p) else ""
+    return f"Measured at commit `{p['commit'][:7]}`{tree}, {dirty}{since}."
+
+
+def prompts_label(result: dict, prompts) -> str:
+    """`prompts` (a result's description or count of its prompts) with their text: the shipped
+    held-out prompts by hash, or, for results that record none, the standard library they were cut
+    from before the package shipped its prompts."""
+    f, p = result["figures"], result["provenance"]
+    sha = f.get("prompts_sha256") or p.get("prompts_sha256")
+    if sha and f.get("prompts") == "--tokens":
+        return f"prompts given as token ids (`jaxmtp bench --tokens`, sha256 `{sha[:12]}` of their JSON)"
+    if sha:
+        which = "" if sha == data.prompts_sha256() else "an earlier version of "
+        return f"{prompts} ({which}`jaxmtp/benchmark_prompts.json`, sha256 `{sha[:12]}`)"
+    if p.get("engine_sha256"):
+        raise ValueError(f"a {result['benchmark']} result measured with the current provenance records no "
+                         "prompts_sha256: pass data.prompts_sha256() to provenance.write")
+    python = p["versions"].get("python")
+    library = f"Python {python}'s" if python else "the measuring machine's Python's (its version not recorded)"
+    return f"{prompts} cut from {library} standard library before the package shipped its prompts"
+
+
 def source(result: dict, name: str) -> str:
-    """Where a table's figures come from: the device, versions, date, command and repeats (the
-    commit is in the JSON)."""
+    """Where a table's figures come from: the device, versions, date, command and repeats, and the
+    commit (`measured_at`)."""
     p = result["provenance"]
     device = p["device"]
     where = device["kind"] if device["platform"] != "cpu" else f"CPU, {device.get('cpu_cores')} cores"
     versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if k in ("jax", "jaxlib", "flax"))
     flags = "; flags " + " ".join(f"{k}={v}" for k, v in sorted(p["flags"].items())) if p.get("flags") else ""
     return (f"*{where}; {versions}; {p['date'][:10]}; `{p['command']}`; {p['repeats']} repeats{flags}. "
-            f"Source: [`benchmarks/results/{name}.json`](../benchmarks/results/{name}.json).*")
+            f"{measured_at(p)} Source: [`benchmarks/results/{name}.json`](../benchmarks/results/{name}.json).*")
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -62,8 +118,9 @@ def bench_section(name: str, title: str) -> str:
         note = (f"\n\nAuto's calibrated round costs (k = 0..{len(auto.get('round_costs') or [0]) - 1}, plain steps): "
                 f"{costs}; its rounds: {by_k}; "
                 f"auto ran at {auto['vs_best']:.2f}x the speed of the fastest setting (k = {auto['best']}).")
-    return (f"### {title}\n\n{f['model']}, {f['prompts']}, batch 1, greedy, {f['max_new_tokens']} new tokens each; "
-            f"medians; decode = without the prefill; cost = a round in plain steps.\n\n"
+    return (f"### {title}\n\n{f['model']}, {prompts_label(result, f['prompts'])}; batch 1, greedy, "
+            f"{f['max_new_tokens']} new tokens each; medians; decode = without the prefill; cost = a round in plain "
+            "steps.\n\n"
             + table(["k", "tokens/s", "decode tokens/s", "speedup", "decode speedup", "acceptance", "mean accepted",
                      "round cost"], rows) + note + "\n\n" + source(result, name) + "\n")
 
@@ -76,7 +133,8 @@ def auto_section() -> str:
     costs = " ".join(f"{c:.2f}" for c in f["round_costs"])
     chose = "the plain loop" if f["auto_chose_plain"] else "to draft"
     return ("### Auto where speculation cannot pay\n\n"
-            f"User-level `generate` calls, {f['prompts']} held-out prompts, {f['max_new_tokens']} new tokens, auto and "
+            f"User-level `generate` calls, {prompts_label(result, str(f['prompts']) + ' held-out prompts')}; "
+            f"{f['max_new_tokens']} new tokens, auto and "
             f"plain alternating. Round costs k = 0..{len(f['round_costs']) - 1} "
             f"{'(forced)' if f['costs_forced'] else '(calibrated)'}: {costs}; "
             f"auto chose {chose}.\n\n"
@@ -128,25 +186,47 @@ def plans_section() -> str:
     if result is None:
         return ""
     rows, fit = [], []
+    plans = {name: f for name, f in result["figures"].items() if not name.startswith("fit_")}
+    limited = all("limits" in f for f in plans.values())  # counted against JAX's allocator limit
     for name, f in result["figures"].items():
         if name.startswith("fit_"):
             fit = f
             continue
         mesh = ",".join(f"{axis}={size}" for axis, size in f["mesh"].items() if size > 1)
-        fits = ", ".join(device.split(" (")[0] for device, ok in f["fits"].items() if ok) or "none listed"
-        rows.append([f["config"], mesh, f["batch"], f["cache_len"], f["prompt_len"], f["k"],
-                     gb(f["parameter_bytes_per_device"]), gb(f["cache_bytes_per_device"]), gb(f["xla_temp_bytes"]),
-                     gb(f["total_bytes_per_device"]), fits])
+        row = [f["config"], mesh, f["batch"], f["cache_len"], f["prompt_len"], f["loop"] if limited else f["k"],
+               gb(f["parameter_bytes_per_device"]), gb(f["cache_bytes_per_device"]), gb(f["xla_temp_bytes"]),
+               gb(f["total_bytes_per_device"])]
+        if limited:
+            fits = ", ".join(d.split(" (")[0] for d, limit in f["limits"].items() if limit["fits"]) or "none listed"
+            settings = "; ".join(f"{d.split(' (')[0]}: {limit['verdict'].split('; ')[1]}"
+                                 for d, limit in f["limits"].items() if "; fits with " in limit["verdict"])
+            rows.append(row + [fits, settings or "-"])
+        else:
+            rows.append(row + [", ".join(d.split(" (")[0] for d, ok in f["fits"].items() if ok) or "none listed"])
     text = ("## Memory at scale (`jaxmtp plan`)\n\nPer-device bytes of the whole generation program (chunked "
             "prefill + speculative loop), FP8 weights kept and multiplied by the W8A8 kernels, from XLA's memory "
             "analysis of an AOT compile for emulated devices (`benchmarks/plans.py`). CPU figures over-count a GPU's "
-            "(see [large_models.md](large_models.md)).\n\n"
-            + table(["config", "mesh", "batch", "cache", "prompt", "k", "params GB", "caches GB", "temporaries GB",
-                     "total GB", "fits"], rows))
+            "(see [large_models.md](large_models.md)).\n\n")
+    if limited:
+        text += ("Each plan compiles the `speculative_k=\"auto\"` loop with sampling (what `jaxmtp generate` runs by "
+                 "default) and k = 3, and shows the larger. \"fits\" counts against the memory JAX may hold at its "
+                 "default settings: 75% of a GPU's memory (`XLA_CLIENT_MEM_FRACTION`), a TPU's whole memory, each "
+                 "device's memory taken as its decimal nameplate figure; \"to fit\" gives the fraction that holds "
+                 "the plan with 2% to spare.\n\n"
+                 + table(["config", "mesh", "batch", "cache", "prompt", "largest loop", "params GB", "caches GB",
+                          "temporaries GB", "total GB", "fits", "to fit"], rows))
+    else:
+        text += ("These figures were measured by an earlier `benchmarks/plans.py`: a greedy fixed-k loop only, and "
+                 "\"fits\" compares with the device's whole memory, not the 75% that JAX's allocator holds by default "
+                 "on a GPU, which `jaxmtp plan` now counts.\n\n"
+                 + table(["config", "mesh", "batch", "cache", "prompt", "k", "params GB", "caches GB",
+                          "temporaries GB", "total GB", "fits the device's memory"], rows))
     if fit:
         fit_rows = [[f["batch"], f["cache_len"], gb(f["total_bytes_per_device"])] for f in fit]
-        text += ("\n\nThe longest cache (and prompt as long) that fits an H200 (141 GB) on one node of 8, "
-                 "DeepSeek-V3 671B, `data=8`:\n\n" + table(["batch", "cache tokens", "total GB"], fit_rows))
+        within = (f"within {fit[0]['limit']}" if "limit" in fit[0]
+                  else "that fits an H200's whole memory (141 GB, not JAX's default limit)")
+        text += (f"\n\nThe longest cache (and prompt as long) {within}, on one node of 8, DeepSeek-V3 671B, "
+                 "`data=8`:\n\n" + table(["batch", "cache tokens", "total GB"], fit_rows))
     return text + "\n\n" + source(result, "plans") + "\n"
 
 
@@ -179,30 +259,125 @@ def cold_start_section() -> str:
             + "\n\n" + source(result, "compile_cache") + "\n")
 
 
+def fraction(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def amount(n: int) -> str:
+    """Bytes in GB, MB or kB, whichever keeps a figure of at least 1."""
+    unit, scale = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6)) if n >= s), ("kB", 1e3))
+    return f"{n / scale:.2f} {unit}"
+
+
+def real_width_result(result: dict, name: str, paired: dict | None = None) -> str:
+    """One run of benchmarks/real_width.py: its decode steps and rounds (beside the same rows of
+    `paired`, a run with command buffers, where given) and its V3.2 sparse-against-dense steps."""
+    f = result["figures"]
+    moe = f["layers"] - f["dense_layers"]
+    where = f["device_kind"] + (", XLA command buffers over the loop's control flow" if f["command_buffers"] else "")
+    widths = "Tiny" if f["widths"] == "tiny" else "The configs'"
+    text = (f"### {where}\n\n{widths} widths, {f['dense_layers']} dense and "
+            f"{moe} MoE layers and the MTP layer, random FP8 weights (`matmul=\"{f['matmul']}\"`), greedy, "
+            f"{f['calls']} rounds per timed loop, medians. Bandwidth: "
+            + (f"fraction of {f['peak_bytes_per_s'] / 1e12:.2f} TB/s ({f['peak_source']})." if f["peak_bytes_per_s"]
+               else f"no fraction: {f['peak_source']}.")
+            + ("" if f["complete"] else " The run ended before all its rows were measured.") + "\n")
+    v3 = f.get("v3")
+    if v3:
+        other = {(r["batch"], r["k"]): r for r in (paired or {}).get("figures", {}).get("v3", {}).get("rows", [])}
+        header = ["batch", "k", "ms per round", "read", "of which KV cache", "of which routed experts",
+                  "fraction of bandwidth"] + (["ms with command buffers"] if paired else [])
+        rows = []
+        for r in v3["rows"]:
+            row = [r["batch"], f"{r['k']} (plain step)" if r["k"] == 0 else r["k"], f"{r['seconds'] * 1e3:.3f}",
+                   amount(r["bytes"]), amount(r["kv_cache_bytes"]), amount(r["routed_expert_bytes"]),
+                   fraction(r["fraction_of_peak"])]
+            if paired:
+                match = other.get((r["batch"], r["k"]))
+                row.append("-" if match is None else f"{match['seconds'] * 1e3:.3f}")
+            rows.append(row)
+        speedups = "; ".join(f"batch {s['batch']}, acceptance {s['acceptance']:.2f}: {s['speedup']:.2f}x"
+                             for s in v3["speedup_at_published_acceptance"])
+        text += (f"\nDeepSeek-V3 (`{v3['config']}`), {f['context']} cached tokens ({v3['cache_slots']} cache "
+                 "slots):\n\n"
+                 + table(header, rows)
+                 + (f"\n\nThe decode speedup of k = 1 over plain steps that these times imply at DeepSeek's published "
+                    f"acceptance ({f['acceptance_source']}): {speedups}.\n" if speedups else "\n"))
+    v32 = f.get("v32")
+    if v32:
+        rows = [[r["cached_tokens"], r["batch"], f"{r['sparse']['seconds'] * 1e3:.3f}",
+                 f"{r['dense']['seconds'] * 1e3:.3f}", f"{r['dense_over_sparse']:.2f}x", amount(r["sparse"]["bytes"]),
+                 amount(r["dense"]["bytes"]), fraction(r["sparse"]["fraction_of_peak"]),
+                 fraction(r["dense"]["fraction_of_peak"])] for r in v32["rows"]]
+        text += (f"\nDeepSeek-V3.2 (`{v32['config']}`), a plain decode step with sparse attention (the indexer selects "
+                 f"{v32['index_topk']} keys) against the same weights attending over the whole cache:\n\n"
+                 + table(["cached tokens", "batch", "sparse (ms)", "dense (ms)", "dense / sparse", "sparse reads",
+                          "dense reads", "sparse fraction", "dense fraction"], rows) + "\n")
+    return text + "\n" + source(result, name) + "\n"
+
+
+def real_width_section() -> str:
+    """Every benchmarks/results/*real_width*.json, a run with command buffers beside the run of the
+    same name without them (NAME_real_width_cmdbuf beside NAME_real_width)."""
+    names = sorted(n.removesuffix(".json") for n in os.listdir(RESULTS) if "real_width" in n and n.endswith(".json"))
+    parts = []
+    for name in names:
+        if name.endswith("_cmdbuf") and name.removesuffix("_cmdbuf") in names:
+            continue  # rendered beside its default run
+        paired = load(name + "_cmdbuf")
+        parts.append(real_width_result(load(name), name, paired)
+                     + ("" if paired is None else "\n" + source(paired, name + "_cmdbuf") + "\n"))
+    intro = ("## Decode speed at DeepSeek-V3 671B widths\n\nA plain decode step and a speculative round at k = 1..3 "
+             "of the engine's decode loop at the configs' widths with a few layers of random FP8 weights, at batch 1, 8 "
+             "and 32, and the bytes each reads: the weights read whole, the routed experts the tokens chose and the KV "
+             "cache attention reads, with the fraction of the device's memory bandwidth that achieves; DeepSeek-V3.2's "
+             "sparse attention against dense at 32K and 128K cached tokens; the same with XLA's command buffers "
+             "extended to the loop's control flow (`benchmarks/real_width.py`, the `real_width` steps of "
+             "`benchmarks/accelerator.sh`).\n\n")
+    if not parts:
+        return intro + ("It has not run on a GPU or TPU yet, so there is no figure to show: the test suite runs it at "
+                        "tiny widths on a CPU only.\n")
+    return intro + "\n".join(parts)
+
+
 def page() -> str:
     parts = ["# Performance\n\nEvery figure here is rendered by `python benchmarks/render.py` from the results JSON in "
              "`benchmarks/results/`, which holds each run's provenance (commit, versions, device, flags, command, "
-             "repeats, raw times). How to measure: [development.md](development.md).\n",
+             "repeats, raw times). How to measure: [development.md](development.md).\n\n"
+             "Each table's footnote names the commit its figures were measured at and whether that tree had "
+             "uncommitted changes, and says where the engine (`jaxmtp/`, `pallas_kernels/`) has changed since: such "
+             "figures were measured on an older engine than this page describes. The demo model's prompts are "
+             "excerpts of its held-out standard-library modules shipped in `jaxmtp/benchmark_prompts.json`, the "
+             "same text on every machine; results that record no prompts hash were measured before, on prompts cut "
+             "from the measuring machine's own standard library, whose text differs between Python versions.\n",
              "## Speculative decoding on the demo model\n",
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
-             auto_section(), decode_step_section(), sparse_section(), plans_section(), device_plan_section(),
-             cold_start_section()]
+             auto_section(), decode_step_section(), sparse_section(), real_width_section(), plans_section(),
+             device_plan_section(), cold_start_section()]
     return "\n".join(p for p in parts if p).rstrip() + "\n"
 
 
 def readme_table() -> str:
     """The README's one results table: the demo's best k against plain, auto, per device."""
-    rows = []
+    rows, notes = [], []
     for name, where in (("bench_cpu", "CPU"), ("h200_bench", "H200")):
         result = load(name)
         if result is None:
             continue
+        p = result["provenance"]
+        tree = f" (the files of `{p['tree_commit'][:7]}`)" if p.get("tree_commit") else ""
+        dirty = {True: ", with uncommitted changes", False: "", None: ", uncommitted changes not recorded"}
+        notes.append(f"{where} at commit `{p['commit'][:7]}`{tree}{dirty[p['uncommitted_changes']]}"
+                     + (", the engine changed since" if engine_changed(p) else "")
+                     + f"; {prompts_label(result, 'prompts')}.")
         by_k = {r["k"]: r for r in result["figures"]["rows"]}
         best = max((r for r in by_k.values() if r["k"] != "auto"), key=lambda r: r["speedup"])
         auto = by_k.get("auto")
         rows.append([where, f"{by_k[0]['tokens_per_s']:.0f}", f"k = {best['k']}: {best['speedup']:.2f}x",
                      "-" if auto is None else f"{auto['speedup']:.2f}x"])
     text = table(["demo model, batch 1", "plain tokens/s", "best fixed k", "auto"], rows)
+    if notes:
+        text += "\n\n" + " ".join(notes)
     sparse = load("sparse_attention")
     if sparse is not None:
         longest = max(sparse["figures"], key=lambda r: (r["cached_tokens"], -r["rows"]))

@@ -101,18 +101,18 @@ def _row(k, outputs, plain, totals, prefills, prompt_count, costs) -> dict:
     tokens = [out.tokens[0] for out in outputs]
     assert tokens == [out.tokens[0] for out in plain], f"k={k}: speculative output differs from plain greedy"
     stats = [out.stats for out in outputs]
-    drafted = sum(s["draft_tokens"] for s in stats)
-    accepted = sum(s["accepted_tokens"] for s in stats)
-    rounds = sum(s["main_forward_passes"] - 1 for s in stats)
+    drafted = sum(s.draft_tokens for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    rounds = sum(s.main_forward_passes - 1 for s in stats)
     by_k = {}
     for s in stats:
-        for j, n in s["rounds_by_k"].items():
+        for j, n in s.rounds_by_k.items():
             by_k[j] = by_k.get(j, 0) + n
     k_max = max(by_k) if by_k else 0
     drafting = [_drafting(by_k, i) for i in range(k_max)]
     # accepted counts of draft i+1 back from each prompt's share of the rounds that drafted it
-    at = [sum(s["per_position_acceptance"][i] * _drafting(s["rounds_by_k"], i)
-              for s in stats if i < len(s["per_position_acceptance"])) for i in range(k_max)]
+    at = [sum(s.per_position_acceptance[i] * _drafting(s.rounds_by_k, i)
+              for s in stats if i < len(s.per_position_acceptance)) for i in range(k_max)]
     new = sum(len(t) for t in tokens)
     total, prefill = statistics.median(totals), statistics.median(prefills)
     mean_length = 1 + accepted / rounds if rounds else 1.0

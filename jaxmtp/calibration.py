@@ -12,6 +12,12 @@ $JAXMTP_CACHE_DIR (default ~/.cache/jaxmtp).
 The unit is the plain loop's step, so that the costs read as what speculation buys over plain
 decoding; the rule in jaxmtp.adaptive compares them with each other only. The auto loop's own
 round at k = 0 costs about that step (benchmarks/auto_k0.py).
+
+With several processes (jax.distributed) the costs are process 0's on every process: process 0
+alone reads and writes its table, and says whether the key is stored; where it is not, every
+process runs the same measuring loops (they launch collectives) and takes process 0's figures. Each
+process's own clock and table would otherwise give it its own costs, its own k in a round and its
+own branch of the loop, and the processes' collectives would no longer meet.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import tempfile
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 FILE = "round_costs.json"
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -99,14 +106,23 @@ def _nothing():
 def _warm_up(*runs: Callable):
     """The first call of each run, which compiles its loop. In one process the loops compile side
     by side, in threads (XLA compiles outside the GIL), which shortens the first `jaxmtp generate`
-    on a machine (benchmarks/compile_cache.py times it). Several processes run them in turn, so
-    that every process launches its collectives in the same order."""
+    on a machine (benchmarks/compile_cache.py times it); each thread runs in the caller's mesh
+    (`jax.set_mesh` holds per thread), so that it compiles the program the caller would. Several
+    processes run them in turn, so that every process launches its collectives in the same order."""
     if jax.process_count() > 1:
         for run in runs:
             run()
         return
+    mesh = jax.sharding.get_mesh()
+
+    def in_mesh(run: Callable):
+        if mesh.empty:
+            return run()
+        with jax.set_mesh(mesh):
+            return run()
+
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
-        for future in [pool.submit(run) for run in reversed(runs)]:  # the slowest to compile first
+        for future in [pool.submit(in_mesh, run) for run in reversed(runs)]:  # the slowest to compile first
             future.result()
 
 
@@ -143,20 +159,45 @@ def measure(plain_seconds: Callable[[], float], round_seconds: Callable[[int], f
 
 
 def stored(cache_key: str, k_max: int) -> list[float] | None:
-    """The costs stored for this key, or None where they are still to be measured."""
+    """The costs stored for this key, or None where they are still to be measured. With several
+    processes, process 0's answer on every process (a collective: every process calls it)."""
+    costs = _stored_here(cache_key, k_max) if jax.process_index() == 0 else None
+    return _from_process_0(costs, k_max)
+
+
+def _stored_here(cache_key: str, k_max: int) -> list[float] | None:
+    """This process's own table's costs for the key, or None."""
     costs = _read().get(cache_key)
     return [float(c) for c in costs] if isinstance(costs, list) and len(costs) == k_max + 1 else None
 
 
+def _from_process_0(costs: list[float] | None, k_max: int) -> list[float] | None:
+    """Process 0's costs [k_max + 1] (or its None) on every process; in one process, `costs` as
+    they are. Broadcast as float32, the precision that the loop reads them in."""
+    if jax.process_count() == 1:
+        return costs
+    from jax.experimental import multihost_utils
+
+    found, values = multihost_utils.broadcast_one_to_all(
+        (np.bool_(costs is not None), np.asarray(costs if costs is not None else [0.0] * (k_max + 1), np.float32)))
+    return [float(c) for c in values] if found else None
+
+
+def measured(cache_key: str, plain_seconds: Callable[[], float], round_seconds: Callable[[int], float],
+             k_max: int, warmed: Callable[[], None] = _nothing) -> list[float]:
+    """The costs measured now (see `measure`; warmed() is called once the warm-up has compiled the
+    loops) and stored for this key. With several processes, every process measures, all take
+    process 0's figures, and process 0 stores them."""
+    costs = _from_process_0(measure(plain_seconds, round_seconds, k_max, warmed), k_max)
+    if jax.process_index() == 0:
+        table = _read()
+        table[cache_key] = costs
+        _write(table)
+    return costs
+
+
 def round_costs(cache_key: str, plain_seconds: Callable[[], float], round_seconds: Callable[[int], float],
                 k_max: int, warmed: Callable[[], None] = _nothing) -> list[float]:
-    """The stored costs for this key, or measured now (see `measure`; warmed() is called once the
-    warm-up has compiled the loops) and stored."""
+    """The stored costs for this key (`stored`), or else `measured`."""
     known = stored(cache_key, k_max)
-    if known is not None:
-        return known
-    costs = measure(plain_seconds, round_seconds, k_max, warmed)
-    table = _read()
-    table[cache_key] = costs
-    _write(table)
-    return costs
+    return known if known is not None else measured(cache_key, plain_seconds, round_seconds, k_max, warmed)

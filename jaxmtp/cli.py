@@ -71,9 +71,40 @@ def _config(path: str, flag: str = "--config"):
         return ModelConfig.from_hf_config(path)
 
 
-def _load(path: str, flag: str = "--model", **kwargs):
+def _load(path: str, flag: str = "--model", mesh=None, quiet: bool = False, fp8_line: bool = True, **kwargs):
+    """jaxmtp.load of `path`, onto the --mesh `mesh` (axis sizes, or None), first saying on stderr
+    (with fp8_line) what becomes of an FP8 checkpoint's weights and why; quiet: no progress bar."""
+    mesh = _device_mesh(mesh)
     with _reading(flag, path):
-        return jaxmtp.load(path, **kwargs)
+        from jaxmtp.checkpoint import fp8_block
+        from jaxmtp.quant import fp8_choice
+
+        block = fp8_line and os.path.isdir(path) and fp8_block(path)
+        if block:
+            _, reason = fp8_choice(kwargs.get("quantized"), kwargs.get("matmul"), block,
+                                   keep_hint="--matmul fp8|dequant")
+            print(f"FP8 weights: {reason}", file=sys.stderr, flush=True)
+        return jaxmtp.load(path, mesh=mesh, quiet=quiet, **kwargs)
+
+
+def _shape(sizes: dict[str, int]) -> str:
+    return ",".join(f"{axis}={size}" for axis, size in sizes.items())
+
+
+def _device_mesh(sizes: dict[str, int] | None):
+    """The --mesh of these axis sizes over every device (of every process), or None without one;
+    refused unless the sizes multiply to the device count."""
+    if sizes is None:
+        return None
+    count, devices = math.prod(sizes.values()), jax.device_count()
+    if count != devices:
+        sizes_text = " x ".join(str(size) for size in sizes.values())
+        emulate = (f"; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={count} emulates {count} devices"
+                   if jax.devices()[0].platform == "cpu" else "")
+        raise UsageError(f"--mesh {_shape(sizes)}: data x expert x tensor = {sizes_text} = {count} devices, but "
+                         f"jax.device_count() is {devices} (every process's devices); the sizes must multiply to "
+                         f"the device count{emulate}")
+    return jaxmtp.make_mesh(**sizes)
 
 
 # argparse `type=` functions: a bad value is reported as "argument --flag: <message>", exit 2.
@@ -225,7 +256,12 @@ def _info(args):
 
 
 def _forward_demo(args):
-    model = _load(args.model) if args.model else jaxmtp.init(_config(args.config), seed=args.seed)
+    if args.model:
+        model = _load(args.model, mesh=args.mesh, matmul=args.matmul)
+    else:
+        if args.matmul:
+            raise UsageError("--matmul applies to an FP8 checkpoint (--model), not to a random init of --config")
+        model = jaxmtp.init(_config(args.config), seed=args.seed, mesh=_device_mesh(args.mesh))
     tokens = np.array([args.tokens])
     logits, hidden = model.forward(tokens)
     print(f"tokens: {tokens[0].tolist()}")
@@ -284,31 +320,35 @@ def _check_plot_target(path: str):
 
 
 def _bench(args):
+    import hashlib
     import json
 
     from jaxmtp import bench, data
 
     if args.plot:
         _check_plot_target(args.plot)
-    model = _load(args.model, quiet=True)
+    model = _load(args.model, mesh=args.mesh, quiet=True, matmul=args.matmul)
     if args.tokens:
         prompts = args.tokens
-        source = "--tokens"
+        source, prompts_sha256 = "--tokens", hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
     else:
         tokenizer = _tokenizer(args.model)
         if tokenizer is None:
             raise UsageError(f"--model {args.model}: no tokenizer.json to encode the held-out prompts; pass "
                              "prompts with --tokens")
         prompts = data.held_out_prompts(tokenizer, args.prompts, args.prompt_len)
-        source = f"{args.prompts} held-out standard-library prompts of {args.prompt_len} tokens"
+        source = (f"{args.prompts} prompts of {args.prompt_len} tokens from the shipped held-out standard-library "
+                  "excerpts")
+        prompts_sha256 = data.prompts_sha256()
     rows = bench.run(model, prompts, args.ks, args.max_new_tokens, args.repeats, auto=not args.no_auto)
     figures = {"model": os.path.basename(os.path.normpath(args.model)), "prompts": source,
-               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "platform": jax.devices()[0].platform,
-               "rows": rows}
+               "prompts_sha256": prompts_sha256, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+               "platform": jax.devices()[0].platform, "rows": rows}
     if args.save:
         from jaxmtp.provenance import write
 
-        write(args.save, "bench", figures, {"seconds": {str(r["k"]): r["seconds"] for r in rows}}, args.repeats)
+        write(args.save, "bench", figures, {"seconds": {str(r["k"]): r["seconds"] for r in rows}}, args.repeats,
+              prompts_sha256=prompts_sha256)
     if args.json:
         print(json.dumps(figures, indent=2))
     else:
@@ -339,12 +379,10 @@ def _generate(args):
     from jaxmtp.generation import generate_stream, warm_up
     from jaxmtp.streaming import echo
 
-    kept = {} if args.matmul is None else {"quantized": "keep", "matmul": args.matmul}
-    model = _load(args.model, quiet=args.quiet, **kept)
-    tokenizer = _tokenizer(args.model)
-    if args.stop and tokenizer is None:
-        raise UsageError(f"--stop: --model {args.model} has no tokenizer.json to decode the text with")
-    prompts = _prompts(args, tokenizer)
+    # The prompts are encoded (or refused) before the weights are read, which for a published
+    # checkpoint takes many minutes; a --model that is no directory is the loader's to name.
+    tokenizer, prompts = _text_inputs(args) if os.path.isdir(args.model) else (None, None)
+    model = _load(args.model, mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet, matmul=args.matmul)
     config = _generation_config(args, model)
     if not model.config.has_mtp:
         print("no MTP layer in this model (num_nextn_predict_layers = 0): speculation needs one, so this is plain "
@@ -355,6 +393,14 @@ def _generate(args):
         stream = generate_stream(model, prompt, config, tokenizer=tokenizer)
         run_s, first_s = echo(stream, prompt, tokenizer)
         _report(stream.output, config, run_s, first_s, compile_s)
+
+
+def _text_inputs(args):
+    """(the model directory's tokenizer or None, the prompts as token-id lists) for `generate`."""
+    tokenizer = _tokenizer(args.model)
+    if args.stop and tokenizer is None:
+        raise UsageError(f"--stop: --model {args.model} has no tokenizer.json to decode the text with")
+    return tokenizer, _prompts(args, tokenizer)
 
 
 class _Progress:
@@ -433,32 +479,37 @@ def _plan(args):
     if jax.device_count() < count:
         shape = ",".join(f"{axis}={size}" for axis, size in sizes.items())
         raise UsageError(f"--mesh {shape}: needs {count} devices; this process has {jax.device_count()}")
-    from jaxmtp.plan import DEVICE_NAMES, DEVICES, fit, fit_report, plan, report, total_bytes
+    from jaxmtp.plan import (DEVICES, allocator_settings, default_loops, fit, fit_report, memory_limit, plans, report,
+                             total_bytes)
 
     config = _config(args.config)
-    if args.k and not config.has_mtp:
+    if args.k and not config.has_mtp and args.loop != "auto":
         raise UsageError(f"--k {args.k}: --config {args.config} has no MTP layer (num_nextn_predict_layers = 0); "
                          "plan its plain decoding with --k 0")
+    settings = allocator_settings()  # JAX's GPU memory settings, from this process's environment
+    loops = default_loops(config, args.k, args.loop, args.greedy)
     if args.fit:
         if args.prompt_len:
             raise UsageError("--fit searches caches with prompts as long as they are; --prompt-len does not apply")
-        device = DEVICE_NAMES[args.fit]
+        limit = memory_limit(DEVICES[args.fit], settings)
 
         def shown(f):
             if not args.quiet:
-                print(f"  compiled batch {f['batch']}, cache {f['cache_len']}: {total_bytes(f) / 1e9:.2f} GB per "
-                      f"device ({f['compile_seconds']:.0f} s)", flush=True)
+                print(f"  compiled batch {f['batch']}, cache {f['cache_len']}, {f['loop']}: "
+                      f"{total_bytes(f) / 1e9:.2f} GB per device ({f['compile_seconds']:.0f} s)", flush=True)
 
-        results = fit(config, **sizes, capacity=DEVICES[device], k=args.k, matmul=args.matmul,
-                      prefill_chunk=args.prefill_chunk, progress=shown)
-        print(fit_report(results, device))
+        if not args.quiet:
+            print(f"searching within {limit.describe()}", flush=True)
+        results = fit(config, **sizes, capacity=limit.bytes, k=args.k, matmul=args.matmul,
+                      prefill_chunk=args.prefill_chunk, progress=shown, loops=loops)
+        print(fit_report(results, limit))
         return
     if args.prompt_len and args.prompt_len > args.max_len:
         raise UsageError(f"--prompt-len {args.prompt_len}: longer than the cache (--max-len {args.max_len})")
-    figures = plan(config, **sizes, batch=args.batch, max_len=args.max_len,
-                   prompt_len=args.prompt_len or args.max_len // 2, k=args.k, matmul=args.matmul,
-                   prefill_chunk=args.prefill_chunk)
-    print(report(figures))
+    results = plans(config, **sizes, batch=args.batch, max_len=args.max_len,
+                    prompt_len=args.prompt_len or args.max_len // 2, loops=loops, matmul=args.matmul,
+                    prefill_chunk=args.prefill_chunk)
+    print(report(results, [memory_limit(device, settings) for device in DEVICES.values()]))
 
 
 def _train_inputs(args):
@@ -476,7 +527,8 @@ def _train_inputs(args):
     if tokenizer is None:
         raise UsageError(f"--init {args.init}: no tokenizer.json; the training data is encoded with the "
                          "checkpoint's own tokenizer")
-    return _load(args.init, flag="--init", dtype="float32", quiet=args.quiet), tokenizer, None
+    model = _load(args.init, flag="--init", dtype="float32", quantized="dequantize", quiet=args.quiet, fp8_line=False)
+    return model, tokenizer, None
 
 
 def _train(args):
@@ -519,9 +571,21 @@ def _convert(args):
     from jaxmtp.checkpoint import convert
 
     figures = convert(args.src, args.dst, args.format, dtype=args.dtype, quantized=args.quantized,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, mesh=_device_mesh(args.mesh))
     print(f"{args.src} -> {args.dst} ({args.format}, {figures['dtype']}): "
           f"load {figures['load_s']:.1f} s, save {figures['save_s']:.1f} s")
+
+
+_MESH_HELP = ("load the model onto a mesh of these axis sizes, each device reading only its block of each "
+              "parameter: e.g. data=2,expert=2,tensor=2 (axes data, expert, tensor; 1 where not named); the sizes "
+              "must multiply to the number of devices (of every process with --distributed; on a CPU, emulate N "
+              "with XLA_FLAGS=--xla_force_host_platform_device_count=N); without it, one device")
+_DISTRIBUTED_HELP = ("multi-host: call jax.distributed.initialize() first (it reads the cluster from the "
+                     "environment), run the same command on every host; only process 0 prints")
+_MATMUL_HELP = ("FP8 checkpoints: keep the weights in FP8 and multiply them with the W8A8 kernels (fp8) or "
+                "dequantize them on the fly (dequant); without it, they stay FP8 with the kernels where the "
+                "platform multiplies FP8 (GPUs and TPUs with FP8 matmul) and are dequantized at load elsewhere "
+                "(CPUs); a line on stderr says which")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -544,6 +608,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         return p
 
+    def on_devices(p, matmul=True):
+        """--mesh and --distributed (and --matmul) for a command that loads a model."""
+        p.add_argument("--mesh", type=_mesh, help=_MESH_HELP)
+        p.add_argument("--distributed", action="store_true", help=_DISTRIBUTED_HELP)
+        if matmul:
+            p.add_argument("--matmul", choices=("fp8", "dequant"), help=_MATMUL_HELP)
+
     info = command("info", _info, "parameter counts and cache size of a config; optionally lower it")
     info.add_argument("--config", required=True, help=_CONFIG_HELP)
     info.add_argument("--lower", action="store_true", help="time jax.jit(forward).lower on abstract parameters")
@@ -555,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--config", default="tiny", help="the random model's config (without --model): " + _CONFIG_HELP)
     fwd.add_argument("--tokens", type=_token_ids, default="1,2,3,4,5,6,7,8", help="token ids, comma-separated")
     fwd.add_argument("--seed", type=int, default=0, help="seed of the random init")
+    on_devices(fwd)
 
     gen = command("generate", _generate, "generate text with plain or MTP speculative decoding")
     gen.add_argument("prompt", nargs="*", default=["def fibonacci(n):"],
@@ -584,10 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(tokenizer_config.json)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="do not stop at the EOS ids (generation_config.json's, else the config's)")
-    gen.add_argument("--matmul", choices=("fp8", "dequant"),
-                     help="FP8 checkpoints: keep the weights in FP8 and multiply them with the W8A8 kernels (fp8) "
-                          "or dequantize them on the fly (dequant); without it, dequantize at load")
-    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar nor progress lines")
+    on_devices(gen)
 
     b = command("bench", _bench, "plain vs speculative decoding side by side: tokens/s, speedup, acceptance")
     b.add_argument("--model", default=DEMO_MODEL, help="checkpoint directory; the default is the bundled demo model")
@@ -603,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--save", help="also write the results with their provenance (commit, versions, device, command) "
                                   "to this JSON file, as benchmarks/results/ keeps them")
     b.add_argument("--plot", help="write acceptance-by-position and speedup-by-k plots to this image file")
+    on_devices(b)
 
     pl = command("plan", _plan, "per-device memory of speculative generation on a mesh (AOT compile, abstract shapes)")
     pl.add_argument("--config", required=True, help=_CONFIG_HELP)
@@ -611,11 +682,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=_positive, default=8, help="rows generated at once")
     pl.add_argument("--max-len", type=_positive, default=4096, help="cache length in tokens")
     pl.add_argument("--prompt-len", type=_positive, help="prompt bucket in tokens; without it, half of --max-len")
-    pl.add_argument("--k", type=_draft_count, default=2, help="MTP drafts per round")
+    pl.add_argument("--k", type=_draft_count, default=2, help="MTP drafts per round of the fixed-k loop")
+    pl.add_argument("--loop", choices=("auto", "fixed", "both"), default="both",
+                    help='decode loops to compile, the largest counting: "auto" (what generate runs by default: '
+                         f'k = 0..{jaxmtp.generation.AUTO_MAX_K} per round on a GPU or TPU), "fixed" (--k), or both')
+    pl.add_argument("--greedy", action="store_true",
+                    help="plan greedy decoding; without it, sampling with top-k and top-p")
     pl.add_argument("--prefill-chunk", type=_chunk, default=DEFAULT_PREFILL_CHUNK,
                     help="prompt positions prefilled at once (a multiple of 16)")
     pl.add_argument("--fit", choices=("h200", "h100", "v5p", "v6e"),
-                    help="instead of one plan: the largest cache (with a prompt as long) that fits this device, "
+                    help="instead of one plan: the largest cache (with a prompt as long) that fits the memory JAX "
+                         "may hold on this device (on a GPU: XLA_CLIENT_MEM_FRACTION, default 0.75, of its memory), "
                          "for batches of 1, 2, 4 and 8 rows per data shard (several compiles)")
     pl.add_argument("--quiet", action="store_true", help="with --fit: no line per compile")
     pl.add_argument("--matmul", choices=("dequant", "fp8"), default="dequant",
@@ -645,14 +722,31 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--quantized", choices=("keep", "dequantize"), default="keep",
                       help="FP8 weights: keep them FP8 with their scales, or write dense --dtype weights")
     conv.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    on_devices(conv, matmul=False)
     return parser
+
+
+def _run_distributed(args):
+    """jax.distributed.initialize() before anything touches the backend, then the command, with
+    stdout and the progress lines of every process but the first silenced (errors still show)."""
+    jax.distributed.initialize()
+    if jax.process_index() == 0:
+        args.run(args)
+        return
+    if hasattr(args, "quiet"):
+        args.quiet = True
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        args.run(args)
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.run(args)
+        if getattr(args, "distributed", False):
+            _run_distributed(args)
+        else:
+            args.run(args)
     except Exception as e:
         report = None if args.debug else _user_error(e)
         if report is None:

@@ -179,7 +179,7 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type: expected one of {', '.join(map(repr, MODEL_TYPES))} (the DeepSeek-V3 "
-                              f"architecture: V3, R1, V3.1, Moonlight, Kimi K2), found {model_type!r}")
+                              f"architecture: V3, R1, V3.1, V3.2, Moonlight, Kimi K2), found {model_type!r}")
         _check_supported(raw)
         kwargs = {name: _get(raw, name) for name in _REQUIRED}
         # The MoE sizes are required only if some layer is MoE, which these three decide.

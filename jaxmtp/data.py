@@ -1,12 +1,16 @@
 """Training text for the demo model: the Python standard library's source and a BPE tokenizer for it.
 
 The source is already on every machine that runs Python; the tokenizer is byte-level BPE trained on
-it. Test suites are left out; a fixed set of modules is held out for evaluation.
+it. Test suites are left out; a fixed set of modules is held out for evaluation. The benchmarks'
+prompts come from excerpts of those held-out modules shipped with the package
+(benchmark_prompts.json), so that they are the same text whichever Python runs them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -14,11 +18,15 @@ from typing import Any
 
 import numpy as np
 
+from jaxmtp.errors import InputError
+
 # Modules (files or packages at the top of the standard library) kept out of training.
 HELD_OUT_MODULES = ("bisect", "calendar", "csv", "difflib", "fnmatch", "fractions", "glob", "heapq", "json",
                     "shlex", "statistics", "textwrap")
 END_OF_TEXT = "<|endoftext|>"
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
+# Excerpts of the held-out modules' source (one Python's, named in the file with its license).
+BENCHMARK_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark_prompts.json")
 
 
 def source_files(root: str | None = None) -> tuple[list[str], list[str]]:
@@ -81,10 +89,27 @@ def held_out_tokens(tokenizer) -> np.ndarray:
     return encode(tokenizer, read(source_files()[1]))
 
 
+def benchmark_texts() -> list[str]:
+    """The shipped excerpts of the held-out modules (BENCHMARK_PROMPTS), in the file's order."""
+    with open(BENCHMARK_PROMPTS, encoding="utf-8") as f:
+        return [excerpt["text"] for excerpt in json.load(f)["excerpts"]]
+
+
+def prompts_sha256() -> str:
+    """sha256 of the shipped prompts file, which results record beside the figures it prompted."""
+    with open(BENCHMARK_PROMPTS, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    """`count` prompts of `length` tokens from the held-out source (see `prompts_from`): text the
-    demo model was not trained on, as the benchmarks and tests prompt it with."""
-    return prompts_from(held_out_tokens(tokenizer), count, length)
+    """`count` prompts of `length` tokens from the shipped held-out excerpts (`benchmark_texts`,
+    encoded as by `encode`, cut as by `prompts_from`): text the demo model was not trained on, the
+    same on every machine, as the benchmarks and tests prompt it with."""
+    tokens = encode(tokenizer, benchmark_texts())
+    if count < 1 or not 1 <= length < len(tokens):
+        raise InputError(f"held_out_prompts: count {count} and length {length}: the shipped prompts hold "
+                         f"{len(tokens)} tokens in this tokenizer; expected count >= 1 and 1 <= length < {len(tokens)}")
+    return prompts_from(tokens, count, length)
 
 
 @dataclasses.dataclass(frozen=True)

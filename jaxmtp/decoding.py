@@ -3,9 +3,10 @@
 Plain decoding is the k = 0 case of the speculative round: feed t_n, choose the next token. With
 k > 0 each round drafts d1..dk with the MTP layer, verifies [t_n, d1..dk] in one main forward,
 commits the accepted drafts plus one token, and repairs the MTP cache with the main model's hidden
-states (spec section 10). Rows advance independently: every row has its own position n (the
-position of its newest token t_n, not yet fed to the model), and the caches are addressed by
-absolute position, so a rejected draft is rolled back by simply not advancing past it.
+states (the round of docs/speculative_decoding.md, "Rounds and k"). Rows advance independently:
+every row has its own position n (the position of its newest token t_n, not yet fed to the
+model), and the caches are addressed by absolute position, so a rejected draft is rolled back by
+simply not advancing past it.
 
 Everything here is traced; `jaxmtp.generation` pads the batch into `Inputs`, runs `start` (the
 prefill) and `advance` (rounds, all of them or a chunk at a time for streaming) and unpacks the
@@ -14,7 +15,6 @@ prefill) and `advance` (rounds, all of them or a chunk at a time for streaming) 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from functools import partial
 
@@ -31,6 +31,7 @@ from jaxmtp.layout import Layout
 from jaxmtp.params import module
 from jaxmtp.quant import is_quantized
 from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities
+from jaxmtp.sharding import context_mesh
 from jaxmtp.speculative import verify_greedy, verify_sampled
 from jaxmtp.transformer import DeepseekV3
 
@@ -38,9 +39,6 @@ AUTO_SEGMENT = 8  # speculative_k="auto" chooses k once every this many rounds
 # Entries of the stop-sequence table: ANY pads a sequence on the left (matches every token), NEVER
 # fills the table's unused rows (matches no token).
 ANY, NEVER = -1, -2
-# How often the loop was traced, by its static signature: a trace counter that tests use to check
-# one compile per shape bucket, k and sampling mode.
-TRACES: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +217,8 @@ def empty_caches(static: Static, batch: int):
 
 
 def _rows_over_data(cache: MLACache, batch_axis: int) -> MLACache:
-    """On a mesh (`jax.set_mesh`) whose data axis divides the batch, split the cache's rows over it."""
+    """On a mesh (`jax.set_mesh`) whose data axis divides the batch, split the cache's rows over it;
+    else the cache stays whole, as the batch's rows are placed (see jaxmtp.sharding.over_data_rows)."""
     mesh = jax.sharding.get_abstract_mesh()
     data = 0 if mesh.empty else mesh.shape.get("data", 1)
     if data <= 1 or cache.c_kv.shape[batch_axis] % data:
@@ -504,8 +503,9 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
 
 @partial(jax.jit, static_argnums=0)
 def start(static: Static, params, inputs: Inputs) -> DecodeState:
-    """The prefill: the state before the first round."""
-    TRACES[("start", static, inputs.prompt.shape, inputs.stops.shape)] += 1
+    """The prefill: the state before the first round. Parameters placed on a mesh need it set
+    (`Model.mesh_context`); without it this refuses them."""
+    context_mesh(params, "decoding.start")
     return prefill(static, params, inputs)
 
 
@@ -516,8 +516,9 @@ def advance(static: Static, params, state: DecodeState, inputs: Inputs, steps, h
     before the first step (stopped by the host). The state's buffers are reused (donated).
 
     Returns (the new state, a copy of its tokens: (seq, count, done)), the copy for the host to
-    read while the next call already runs on the state."""
-    TRACES[("advance", static, inputs.prompt.shape, inputs.stops.shape)] += 1
+    read while the next call already runs on the state. Parameters placed on a mesh need it set, as
+    for `start`."""
+    context_mesh(params, "decoding.advance")
     running = lambda carry: (carry[0] < steps) & ~jnp.all(carry[1].tokens.done)  # noqa: E731
     step = lambda carry: (carry[0] + 1, _rounds(static, params, carry[1], inputs))  # noqa: E731
     t = state.tokens

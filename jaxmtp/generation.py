@@ -140,7 +140,7 @@ class Prepared:
         """Auto with these round costs (in steps of the plain loop), one per k in 0..static.k."""
         if len(costs) != self.static.k + 1:
             raise InputError(f"round costs: expected {self.static.k + 1} (k = 0..{self.static.k}), found {len(costs)}")
-        return dataclasses.replace(self, inputs=self.inputs.replace(costs=jnp.asarray(costs, jnp.float32)),
+        return dataclasses.replace(self, inputs=self.inputs.replace(costs=np.asarray(costs, np.float32)),
                                    costs=costs)
 
     def plain(self) -> "Prepared":
@@ -153,14 +153,15 @@ class Prepared:
         """Inputs with at most new_tokens per row (as many as the cache bucket holds); 1 runs the
         prefill alone."""
         room = self.static.cache_len - int(self.lengths.max()) - self.static.k - 1
-        return self.inputs.replace(limits=jnp.full_like(self.inputs.limits, max(1, min(new_tokens, room))))
+        limits = np.full(self.inputs.limits.shape, max(1, min(new_tokens, room)), np.int32)
+        return self.inputs.replace(limits=_placed_like(limits, self.inputs.limits))
 
     def forced(self, k: int, new_tokens: int) -> Inputs:
         """Inputs for a calibration run: every round at k, at most new_tokens per row, no stops."""
         if not 0 <= k <= self.static.k:
             raise InputError(f"forced k: expected 0..{self.static.k}, the auto loop's round variants; found {k}")
         inputs = self.limited(new_tokens)
-        return inputs.replace(stops=jnp.full_like(inputs.stops, NEVER), force_k=jnp.int32(k))
+        return inputs.replace(stops=np.full_like(inputs.stops, NEVER), force_k=np.int32(k))
 
     def cost_key(self) -> str:
         s, prompt = self.static, self.inputs.prompt
@@ -170,7 +171,7 @@ class Prepared:
         """The compiled loop on `inputs` (default the prepared ones), to the end."""
         inputs = self.inputs if inputs is None else inputs
         state = start(self.static, self.params, inputs)
-        return advance(self.static, self.params, state, inputs, jnp.int32(ALL_STEPS), jnp.zeros_like(inputs.real))[0]
+        return advance(self.static, self.params, state, inputs, jnp.int32(ALL_STEPS), _no_halt(inputs))[0]
 
     def chunks(self, receiver: streaming.Receiver):
         """The loop a chunk of steps at a time (see CHUNK_SECONDS): yields each real row's newly
@@ -186,14 +187,15 @@ class Prepared:
         while True:
             seq, count, done = _fetch(pending.pop(0))
             now = time.perf_counter()
-            steps = max(1, min(2 * steps, MAX_CHUNK_STEPS) if now - began < CHUNK_SECONDS else steps)
+            quick = _as_process_0(now - began < CHUNK_SECONDS)  # the same chunks on every process
+            steps = max(1, min(2 * steps, MAX_CHUNK_STEPS) if quick else steps)
             began = now
             new = receiver.receive(seq, self.lengths, count)
             halt |= receiver.halted(len(done))
             finished = np.all(done | halt)
             while not finished and len(pending) < 2:
                 state, tokens = advance(self.static, self.params, state, self.inputs, jnp.int32(steps),
-                                        jnp.asarray(halt))
+                                        _placed_like(halt, self.inputs.real))
                 pending.append(tokens)
             yield new
             if finished:  # chunks still queued run no step: every row is done
@@ -205,6 +207,31 @@ def _cost_key(static: Static, batch: int, width: int) -> str:
     """calibration.key for a loop's static configuration and buckets (kept: generate asks on every call)."""
     s = static
     return calibration.key(s.config.to_hf_config(), s.dtype, s.layout, s.mode, batch, width, s.cache_len, s.k)
+
+
+def _placed_like(rows: np.ndarray, like):
+    """rows [B] placed as `like`'s rows are: over the mesh as `prepare` placed them, or a host array
+    where it left them one. A jitted loop compiles once per placement of its arguments (an array
+    made inside `jax.set_mesh` is placed on the mesh, one made outside is not), so the inputs of
+    the calibration runs, the decoding run and every streamed chunk are placed alike, and one
+    compiled loop serves them all."""
+    return jax.device_put(rows, like.sharding) if isinstance(like, jax.Array) else rows
+
+
+def _no_halt(inputs: Inputs):
+    """halt [B] for a loop that the host stops no row of, placed as a chunk's (see _placed_like)."""
+    return _placed_like(np.zeros(inputs.real.shape, bool), inputs.real)
+
+
+def _as_process_0(flag: bool) -> bool:
+    """flag as process 0 has it, on every process (a collective where there are several): a
+    choice read from a clock sets how many steps the next chunk runs, and every process must run
+    as many, since each step launches collectives."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
 
 
 def _fetch(arrays):
@@ -247,9 +274,11 @@ def prepare(model: Model, prompts, config: GenerationConfig | None = None, **ove
                                  else replicated(model.mesh) for x in rows))
     prompt, lengths_in, limits, real = rows
     sampling = SamplingParams(jnp.float32(max(g.temperature, 1e-6)), jnp.int32(max(top_k, 1)), jnp.float32(g.top_p))
-    inputs = Inputs(prompt=prompt, lengths=lengths_in, limits=limits, real=real, stops=jnp.asarray(_stop_table(stops)),
-                    sampling=sampling, key=jax.random.key(g.seed), costs=jnp.ones((k + 1,), jnp.float32),
-                    force_k=jnp.int32(-1))
+    # The table, costs and force_k stay host arrays, as `forced`, `with_costs` and `plain` make
+    # them, so that calibrating and decoding run one compiled loop (see _placed_like).
+    inputs = Inputs(prompt=prompt, lengths=lengths_in, limits=limits, real=real, stops=_stop_table(stops),
+                    sampling=sampling, key=jax.random.key(g.seed), costs=np.ones((k + 1,), np.float32),
+                    force_k=np.int32(-1))
     return Prepared(static, model.params, inputs, n, lengths)
 
 
@@ -259,7 +288,7 @@ def seconds_per_round(run: Prepared, inputs: Inputs, steps: int = ALL_STEPS) -> 
     state = jax.block_until_ready(start(run.static, run.params, inputs))
     began = time.perf_counter()
     state, _ = jax.block_until_ready(advance(run.static, run.params, state, inputs, jnp.int32(steps),
-                                             jnp.zeros_like(inputs.real)))
+                                             _no_halt(inputs)))
     return (time.perf_counter() - began) / max(int(state.stats.steps) - 1, 1)  # steps: the prefill's included
 
 
@@ -282,15 +311,18 @@ def calibrated(prepared: Prepared, progress=_silent) -> Prepared:
     loops on first use, in steps of the plain loop; see jaxmtp.calibration) filled into the inputs;
     where no k > 0 pays at the prior's acceptance (`adaptive.drafting_pays`), the plain loop, which
     is what the auto loop would run, at the plain loop's speed. progress(message) hears of the
-    compiling and measuring, where they happen."""
+    compiling and measuring, where they happen. With several processes, every process takes
+    process 0's costs (stored or measured; see jaxmtp.calibration), so all decode the same k in
+    every round and take the same loop."""
     if not prepared.static.auto:
         return prepared
     key, k_max = prepared.cost_key(), prepared.static.k
-    if calibration.stored(key, k_max) is None:
+    costs = calibration.stored(key, k_max)
+    if costs is None:
         progress(COMPILING)
-    measuring = (f"measuring what a round drafting k = 0..{k_max} tokens costs on this machine (once per machine, "
-                 "model and shape)")
-    costs = calibration.round_costs(key, *calibration_runs(prepared), k_max, warmed=lambda: progress(measuring))
+        measuring = (f"measuring what a round drafting k = 0..{k_max} tokens costs on this machine (once per machine, "
+                     "model and shape)")
+        costs = calibration.measured(key, *calibration_runs(prepared), k_max, warmed=lambda: progress(measuring))
     prepared = prepared.with_costs(costs)
     return prepared if adaptive.drafting_pays(costs) else dataclasses.replace(prepared.plain(), chose_plain=True)
 

@@ -17,6 +17,7 @@ from jaxmtp.errors import InputError
 from jaxmtp.layout import CHECKPOINT, Layout, convert, convert_on_host, decode_layout, platform
 from jaxmtp.params import abstract_params, init_variables, module, param_shardings, positions_for
 from jaxmtp.quant import with_matmul
+from jaxmtp.sharding import context_mesh
 from jaxmtp.transformer import DeepseekV3
 
 
@@ -70,7 +71,9 @@ class Model:
         return Model(self.config.replace(num_nextn_predict_layers=0), params, self.mesh, self.layout)
 
     def mesh_context(self):
-        """`jax.set_mesh(mesh)` for the model's mesh (the MoE layers read it to run expert-parallel)."""
+        """`jax.set_mesh(mesh)` for the model's mesh (the MoE layers read it to run expert-parallel).
+        The jitted functions (apply_forward, jaxmtp.decoding.start and advance) refuse parameters
+        placed on a mesh outside it; the methods here and jaxmtp.generate enter it themselves."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     @property
@@ -100,7 +103,9 @@ class Model:
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def apply_forward(config, dtype, layout, params, tokens):
-    """The main model over tokens [B, T] at positions 0..T-1 -> (logits [B, T, V], hidden [B, T, D])."""
+    """The main model over tokens [B, T] at positions 0..T-1 -> (logits [B, T, V], hidden [B, T, D]).
+    Parameters placed on a mesh need it set (`Model.mesh_context`); without it this refuses them."""
+    context_mesh(params, "apply_forward")
     logits, hidden, _ = module(config, dtype, layout=layout).apply({"params": params}, tokens, positions_for(tokens))
     return logits, hidden
 
@@ -108,7 +113,8 @@ def apply_forward(config, dtype, layout, params, tokens):
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def apply_mtp_forward(config, dtype, layout, params, hidden, next_tokens):
     """The MTP layer over main hidden states [B, T, D] and the tokens after them [B, T] -> logits
-    [B, T, V] of the token after those."""
+    [B, T, V] of the token after those. Parameters placed on a mesh need it set, as for apply_forward."""
+    context_mesh(params, "apply_mtp_forward")
     logits, _, _ = module(config, dtype, layout=layout).apply({"params": params}, hidden, next_tokens,
                                                               positions_for(next_tokens), method=DeepseekV3.mtp_step)
     return logits

@@ -6,6 +6,8 @@ token copies by expert and calling a grouped matmul, and adds the always-on shar
 mesh with an `expert` or `tensor` axis the routed experts run expert-parallel in shard_map.
 """
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ from jaxmtp.config import ModelConfig
 from jaxmtp.layers import Dtype, Linear, normal_init, projection_weight
 from jaxmtp.layout import CHECKPOINT, Layout
 from jaxmtp.quant import QuantizedWeight, grouped_linear, linear, runs_fp8
-from jaxmtp.sharding import expert_axes
+from jaxmtp.sharding import ShardingWarning, context_mesh, expert_axes
 
 
 class MLP(nn.Module):
@@ -218,18 +220,37 @@ def local_experts(x, weights, experts, gate, up, down, first, num_experts):
 def expert_parallel_mesh(config: ModelConfig, gate):
     """The context mesh (`jax.set_mesh`) when experts run expert/tensor-parallel, else None: needs
     mesh axes that split the experts (jaxmtp.sharding.expert_axes) or a tensor axis > 1 that
-    divides the intermediate size (in whole FP8 blocks for kept FP8 weights)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    divides the intermediate size (in whole FP8 blocks for kept FP8 weights). None without a
+    context mesh (one device; weights placed on a mesh are refused there,
+    jaxmtp.sharding.context_mesh). On a mesh of several devices that cannot run them so, a
+    ShardingWarning names the axis and why (once per distinct message, as Python shows warnings),
+    and XLA's partitioner runs the experts as it sees fit."""
+    mesh = context_mesh(gate, "MoE experts")
+    if mesh.empty or mesh.size == 1:
         return None
-    tensor = mesh.shape.get("tensor", 1)
-    if config.moe_intermediate_size % tensor:
-        return None
-    if not expert_axes(mesh, config.n_routed_experts) and tensor == 1:
-        return None
-    if isinstance(gate, QuantizedWeight) and tensor > 1 and (config.moe_intermediate_size // tensor) % gate.block[0]:
-        return None  # a device's slice would cut through FP8 scale blocks
-    return mesh
+    reason = serial_experts_reason(config, gate, mesh)
+    if reason is None:
+        return mesh
+    sizes = " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    warnings.warn(f"on the mesh {sizes}, the routed experts run without expert or tensor parallelism: {reason}; "
+                  "XLA partitions them itself, which may gather every expert's weights onto each device",
+                  ShardingWarning, stacklevel=2)
+    return None
+
+
+def serial_experts_reason(config: ModelConfig, gate, mesh) -> str | None:
+    """Why the routed experts cannot run expert/tensor-parallel on `mesh` (a sentence naming the
+    axis), or None where they can."""
+    tensor, size, experts = mesh.shape.get("tensor", 1), config.moe_intermediate_size, config.n_routed_experts
+    if size % tensor:
+        return f"moe_intermediate_size {size} is not divisible by tensor={tensor}"
+    if isinstance(gate, QuantizedWeight) and tensor > 1 and (size // tensor) % gate.block[0]:
+        return (f"moe_intermediate_size {size} / tensor={tensor} = {size // tensor} rows per device would cut "
+                f"the FP8 weights' {gate.block[0]}-row scale blocks")
+    if not expert_axes(mesh, experts) and tensor == 1:
+        axes = [f"{axis}={mesh.shape[axis]}" for axis in ("data", "expert") if mesh.shape.get(axis, 1) > 1]
+        return f"n_routed_experts {experts} is not divisible by {' or '.join(axes)}, and there is no tensor axis"
+    return None
 
 
 def expert_parallel(mesh, x, weights, experts, gate, up, down, num_experts):

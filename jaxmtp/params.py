@@ -5,6 +5,7 @@ for a config."""
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import flax.linen as nn
@@ -14,9 +15,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.errors import InputError
 from jaxmtp.layout import CHECKPOINT, Layout
 from jaxmtp.quant import QuantizedWeight, is_quantized_param, scale_shape
-from jaxmtp.sharding import spec
+from jaxmtp.sharding import ShardingWarning, spec, split
 from jaxmtp.transformer import DeepseekV3
 
 
@@ -89,13 +91,66 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
 def param_shardings(config: ModelConfig, params, mesh: Mesh, layout: Layout = CHECKPOINT):
     """NamedSharding for every leaf of `params` (abstract or real, in `layout`, default the
     checkpoint's; QuantizedWeight leaves get one for the values and one for the block scales, cut
-    along the same axes where they divide)."""
-    axes = logical_axes(config, layout)
+    along the same axes where they divide).
 
-    def one(logical, leaf):
+    A parameter whose dimension a mesh axis does not divide stays whole over that axis: one
+    ShardingWarning lists them, grouped by reason (`unsplit_parameters`; Python shows each distinct
+    warning once). The block scales of FP8 weights are left out of it: they are 1 / 16384 of their
+    values, kept whole where their blocks do not divide. A `tensor` or `expert` axis that splits no
+    parameter at all is refused: every device along it would hold the same copy of everything."""
+    shardings, unsplit = _split_parameters(config, params, mesh, layout)
+    used = {axis for leaf in jax.tree.leaves(shardings) for axis in _mesh_axes(leaf.spec)}
+    for axis in ("expert", "tensor"):
+        if mesh.shape.get(axis, 1) > 1 and axis not in used:
+            reasons = "; ".join(reason for reason in unsplit if axis in reason.split(" by ", 1)[1])
+            raise InputError(f"mesh axis {axis}={mesh.shape[axis]} splits no parameter of this model"
+                             + (f" ({reasons})" if reasons else "")
+                             + f": use {axis}=1 or a size that divides them")
+    if unsplit:
+        warnings.warn(describe_unsplit(unsplit, mesh), ShardingWarning, stacklevel=2)
+    return shardings
+
+
+def unsplit_parameters(config: ModelConfig, params, mesh: Mesh,
+                       layout: Layout = CHECKPOINT) -> dict[str, list[str]]:
+    """{reason: parameter paths} for the parameters that stay whole over a mesh axis their rule
+    splits them over (reason as jaxmtp.sharding.split words it: "vocab 1000 is not divisible by
+    tensor=3"); {} where every rule applies."""
+    return _split_parameters(config, params, mesh, layout)[1]
+
+
+def describe_unsplit(unsplit: dict[str, list[str]], mesh: Mesh, shown: int = 3) -> str:
+    """One message for `unsplit_parameters`: a line per reason with up to `shown` of its parameters."""
+    sizes = " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    lines = []
+    for reason, paths in unsplit.items():
+        more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+        lines.append(f"  {reason}: {', '.join(paths[:shown])}{more} stay whole over it")
+    head = f"on the mesh {sizes}, parameters stay whole where their sharding rule would split them:"
+    return "\n".join([head, *lines])
+
+
+def _split_parameters(config, params, mesh, layout):
+    """(param_shardings's tree, {reason: paths}) from jaxmtp.sharding.split."""
+    unsplit: dict[str, list[str]] = {}
+
+    def one(path, logical, leaf):
+        name = "/".join(str(getattr(key, "key", key)) for key in path)
+        values = leaf.value if isinstance(leaf, QuantizedWeight) else leaf
+        value_spec, reasons = split(tuple(logical), values.shape, mesh)
+        for reason in reasons:
+            unsplit.setdefault(reason, []).append(name)
         if isinstance(leaf, QuantizedWeight):
-            return leaf.replace(value=NamedSharding(mesh, spec(tuple(logical), leaf.value.shape, mesh)),
+            return leaf.replace(value=NamedSharding(mesh, value_spec),
                                 scale=NamedSharding(mesh, spec(tuple(logical), leaf.scale.shape, mesh)))
-        return NamedSharding(mesh, spec(tuple(logical), leaf.shape, mesh))
+        return NamedSharding(mesh, value_spec)
 
-    return jax.tree.map(one, axes, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    shardings = jax.tree_util.tree_map_with_path(one, logical_axes(config, layout), params,
+                                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return shardings, unsplit
+
+
+def _mesh_axes(partition: PartitionSpec):
+    """The mesh axis names a PartitionSpec splits over."""
+    for entry in partition:
+        yield from (entry if isinstance(entry, tuple) else () if entry is None else (entry,))

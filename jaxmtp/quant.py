@@ -85,6 +85,51 @@ def default_matmul() -> str:
     return "fp8" if target.platform in ("gpu", "tpu") and target.native_fp8 else "dequant"
 
 
+QUANTIZED_CHOICES = ("keep", "dequantize")
+KERNEL_BLOCK = (128, 128)  # the weight blocks the W8A8 kernels take
+
+
+def fp8_plan(quantized: str | None = None, matmul: str | None = None, block=KERNEL_BLOCK,
+             keep_hint: str = "matmul='fp8' or 'dequant'") -> tuple[str, str | None, str]:
+    """How `jaxmtp.load` treats the weights of an FP8 checkpoint with `block`-sized scale blocks:
+    (quantized, matmul or None where dequantized at load, reason: a phrase for a progress line).
+
+    quantized None keeps them where a `matmul` is given or the platform multiplies FP8
+    (`default_matmul()` is "fp8": one byte per weight, multiplied by the W8A8 kernels, or
+    dequantized on the fly where the kernels cannot take the blocks), else dequantizes them at
+    load (on a CPU the kernels only run interpreted). keep_hint: how the caller's user asks to
+    keep them, named in the reason for a dequantization."""
+    if quantized is not None and quantized not in QUANTIZED_CHOICES:
+        raise InputError(f"quantized: expected one of {QUANTIZED_CHOICES} or None, found {quantized!r}")
+    if matmul is not None and matmul not in MATMULS:
+        raise InputError(f"matmul: expected one of {MATMULS}, found {matmul!r}")
+    if matmul is not None and quantized == "dequantize":
+        raise InputError(f"matmul={matmul!r} applies to FP8 weights kept as such: pass quantized='keep' or None")
+    platform = backend().platform
+    if quantized == "dequantize":
+        return "dequantize", None, "dequantized at load, as asked (quantized='dequantize')"
+    if matmul is not None or quantized == "keep":
+        how = matmul or default_matmul()
+        return "keep", how, f"kept FP8, {_multiplied(how)} ({platform}; matmul={how!r})"
+    if default_matmul() != "fp8":
+        return "dequantize", None, f"dequantized at load ({platform} has no FP8 matmul; {keep_hint} keeps them FP8)"
+    if tuple(block) != KERNEL_BLOCK:
+        return "keep", "dequant", (f"kept FP8, {_multiplied('dequant')} (the W8A8 kernels take 128x128 blocks, "
+                                   f"this checkpoint has {block[0]}x{block[1]})")
+    return "keep", "fp8", f"kept FP8, {_multiplied('fp8')} ({platform} multiplies FP8)"
+
+
+def _multiplied(matmul: str) -> str:
+    return "multiplied by the W8A8 kernels" if matmul == "fp8" else "dequantized on the fly inside each matmul"
+
+
+def fp8_choice(quantized: str | None = None, matmul: str | None = None, block=KERNEL_BLOCK,
+               keep_hint: str = "matmul='fp8' or 'dequant'") -> tuple[str, str]:
+    """(quantized, reason) of `fp8_plan`: "keep" or "dequantize", and why in words."""
+    quantized, _, reason = fp8_plan(quantized, matmul, block, keep_hint)
+    return quantized, reason
+
+
 def runs_fp8(weight) -> bool:
     """Whether `weight` is multiplied by the FP8 kernels (a QuantizedWeight with matmul="fp8")."""
     return isinstance(weight, QuantizedWeight) and weight.matmul == "fp8"

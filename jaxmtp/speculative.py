@@ -1,4 +1,4 @@
-"""Verifying k drafts against the main model's k+1 output rows (spec section 10.5).
+"""Verifying k drafts against the main model's k+1 output rows (docs/speculative_decoding.md, "Exactness").
 
 Greedy: accept the longest prefix of drafts equal to the main model's argmax, then emit the
 argmax of the first unmatched row (a correction, or the bonus after all k).

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-# The names `stats[name]` answers (as the dict the stats once were): every property below.
+# The derived figures, every property below: what as_dict writes.
 _NAMES = ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "draft_tokens", "accepted_tokens",
           "rounds_by_k", "main_forward_passes", "per_row", "round_costs", "chose_plain")
 
@@ -19,7 +19,7 @@ class GenerationStats:
     round_costs: with speculative_k="auto", the calibrated cost of a round of the auto loop at
     k = 0.. in steps of the plain loop (else None). chose_plain: auto ran the plain loop, because
     at these costs no k > 0 pays at the prior's acceptance (jaxmtp.adaptive.drafting_pays).
-    `stats["acceptance_rate"]` and the like read the properties."""
+    The ratios are properties (`stats.acceptance_rate`); as_dict writes them all."""
 
     rounds: tuple[int, ...]
     drafted: tuple[int, ...]
@@ -80,11 +80,6 @@ class GenerationStats:
         """Each row's own stats (its passes: the prefill plus the rounds it was still running)."""
         return [GenerationStats((r,), (d,), (a,), (at,), (rk,), 1 + r, self.round_costs, self.chose_plain)
                 for r, d, a, at, rk in zip(self.rounds, self.drafted, self.accepted, self.accepted_at, self.rounds_at)]
-
-    def __getitem__(self, name: str):
-        if name not in _NAMES:
-            raise KeyError(f"{name!r}: GenerationStats has {', '.join(_NAMES)}")
-        return getattr(self, name)
 
     def as_dict(self) -> dict:
         """The derived figures as plain values (JSON-ready), per_row included."""

@@ -137,7 +137,7 @@ FP8_SUFFIXES = tuple(f"{m}.weight" for m in ("q_proj", "q_a_proj", "q_b_proj", "
 
 
 def quantize_blocks(w: np.ndarray, block: int = 128):
-    """Spec section 4: per 128x128 block (zero-padded at the edges) scale = amax / 448,
+    """DeepSeek-V3's FP8 format: per 128x128 block (zero-padded at the edges) scale = amax / 448,
     value = w / scale in float8_e4m3fn. Returns (value, scale [ceil(out/128), ceil(in/128)])."""
     import ml_dtypes
 

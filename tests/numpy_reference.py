@@ -1,5 +1,5 @@
-"""numpy references written from the spec's formulas, in float64: FP8 block quantization and
-block-scaled products (section 4) and the routed experts' combination (section 8)."""
+"""numpy references written from the formulas, in float64: FP8 block quantization and block-scaled
+products (docs/fp8_and_kernels.md) and the routed experts' weighted sum of SwiGLU outputs."""
 
 import ml_dtypes
 import numpy as np

@@ -60,6 +60,11 @@ def _one_line(capsys, argv) -> str:
     (["train", "--out", "o", "--lr", "0"], "--lr", "0"),
     (["train", "--out", "o", "--lr", "inf"], "--lr", "inf"),
     (["convert", "a", "b", "--format", "hf", "--dtype", "int8"], "--dtype", "int8"),
+    (["generate", "--mesh", "expert=x"], "--mesh", "expert=x"),
+    (["bench", "--mesh", "tensor=0"], "--mesh", "tensor=0"),
+    (["forward", "--mesh", "pipeline=2"], "--mesh", "pipeline"),
+    (["convert", "a", "b", "--format", "hf", "--mesh", "data=2,"], "--mesh", "data=2,"),
+    (["generate", "--matmul", "int8"], "--matmul", "int8"),
 ])
 def test_a_bad_flag_value_is_refused_by_argparse(capsys, argv, flag, value):
     err = _fails(capsys, argv)
@@ -73,7 +78,12 @@ def test_flag_values_are_parsed():
     assert args.tokens == [[1, 2], [3]] and args.ks == [1, 8]
     args = cli.build_parser().parse_args(["plan", "--config", "c.json", "--mesh", "expert=4,tensor=2", "--k", "0"])
     assert args.mesh == {"data": 1, "expert": 4, "tensor": 2} and args.k == 0
+    assert args.loop == "both" and not args.greedy  # the auto loop with sampling, beside --k
     assert cli.build_parser().parse_args(["generate"]).k == "auto"
+    for command in (["generate"], ["bench"], ["forward"], ["convert", "a", "b", "--format", "hf"]):
+        args = cli.build_parser().parse_args([*command, "--mesh", "data=2,expert=2", "--distributed"])
+        assert args.mesh == {"data": 2, "expert": 2, "tensor": 1} and args.distributed
+        assert cli.build_parser().parse_args(command).mesh is None
     assert cli.build_parser().parse_args(["convert", "a", "b", "--format", "hf", "--overwrite"]).overwrite
 
 

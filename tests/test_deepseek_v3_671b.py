@@ -12,7 +12,7 @@ V3 = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/deepseek_v3_671b.json"
 
 
 def spec_table_counts():
-    """Sums of the tensor shapes listed in the spec's section 3 tables (written out independently)."""
+    """Sums of DeepSeek-V3's tensor shapes as its checkpoint lists them, written out by hand (not from jaxmtp)."""
     D, V = 7168, 129280
     attention = (1536 * 7168 + 1536 + 24576 * 1536 + 576 * 7168 + 512 + 32768 * 512 + 7168 * 16384
                  + 2 * 7168)  # q_a, q_a_norm, q_b, kv_a, kv_norm, kv_b, o, two layer norms

@@ -33,6 +33,6 @@ def test_demo_model_drafts_are_accepted_on_held_out_code():
         plain = jaxmtp.generate(model, [prompt], max_new_tokens=48)
         spec = jaxmtp.generate(model, [prompt], max_new_tokens=48, speculative_k=1)
         assert spec.tokens == plain.tokens
-        drafted += spec.stats["draft_tokens"]
-        accepted += spec.stats["accepted_tokens"]
+        drafted += spec.stats.draft_tokens
+        accepted += spec.stats.accepted_tokens
     assert accepted / drafted >= 0.70, accepted / drafted

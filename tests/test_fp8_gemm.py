@@ -1,4 +1,4 @@
-"""The FP8 Pallas kernels against float64 numpy written from the spec's section 4 formulas, in
+"""The FP8 Pallas kernels against float64 numpy written from the block-scaled FP8 formulas (docs/fp8_and_kernels.md), in
 both kernel layouts and with and without native FP8 (interpret mode; on a GPU or TPU the random
 tests run the compiled kernels); and their lowering for TPU (Mosaic) and GPU (Triton) without the
 hardware."""

@@ -1,7 +1,7 @@
 """matmul="fp8" (W8A8 Pallas kernels, interpret mode) on an FP8 checkpoint of the trained demo
 model, against the same checkpoint dequantized to float32.
 
-The checkpoint's weights are quantized in numpy from the spec's formula, so both paths multiply the
+The checkpoint's weights are quantized in numpy (per 128x128 block, scale = amax / 448), so both paths multiply the
 very same weights; they differ only by the per-token 1x128 e4m3 quantization of the activations,
 whose rounding (3 mantissa bits) already moves one linear layer's output by about 2.5% (relative
 Frobenius norm) on this model.

@@ -1,4 +1,5 @@
-"""The FP8 jnp references against float64 numpy written from the spec's section 4 formulas."""
+"""The FP8 jnp references against float64 numpy written from the block-scaled FP8 formulas
+(docs/fp8_and_kernels.md)."""
 
 import ml_dtypes
 import numpy as np

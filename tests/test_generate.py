@@ -1,5 +1,7 @@
 """jaxmtp.generate: speculative greedy == plain greedy, acceptance statistics, one compile per bucket."""
 
+import collections
+import contextlib
 import math
 import os
 import re
@@ -11,12 +13,29 @@ from hypothesis import given, settings, strategies as st
 
 import generation_models as gm
 import jaxmtp
-from jaxmtp.decoding import AUTO_SEGMENT, TRACES, advance, refill_drafts, start
+from jaxmtp.decoding import AUTO_SEGMENT, advance, refill_drafts, start
 from jaxmtp.generation import AUTO_MAX_K_CPU, prepare, unpack
 from jaxmtp.layout import prefix_lengths
 
 AUTO_MAX_K = AUTO_MAX_K_CPU  # the most drafts auto chooses from where the tests run, a CPU
 MAX_NEW = 12
+
+
+@contextlib.contextmanager
+def compiles():
+    """A Counter of the XLA compilations that run inside the block, by jitted function name
+    ("start"), from jax.monitoring's backend-compile event (one per program built)."""
+    counts = collections.Counter()
+
+    def listen(event, duration, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            counts[re.sub(r"^jit[(_]|\)$", "", fun_name)] += 1  # "jit(start)", or "jit_start"
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _cut_at_stops(rows, sequences):
@@ -71,43 +90,46 @@ def test_acceptance_stats_of_always_and_never_agreeing_mtp(k):
     prompts = [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16]]
     new = 20
     always = jaxmtp.generate(gm.model("always"), prompts, max_new_tokens=new, speculative_k=k).stats
-    assert always["acceptance_rate"] == 1.0
-    assert always["mean_accepted_length"] == k + 1
-    assert always["per_position_acceptance"] == [1.0] * k
+    assert always.acceptance_rate == 1.0
+    assert always.mean_accepted_length == k + 1
+    assert always.per_position_acceptance == [1.0] * k
     # The prefill makes the first token; each later round commits k + 1.
-    assert always["main_forward_passes"] == 1 + math.ceil((new - 1) / (k + 1))
-    assert [row["main_forward_passes"] for row in always["per_row"]] == [1 + math.ceil((new - 1) / (k + 1))] * 3
-    assert always["accepted_tokens"] == always["draft_tokens"]
+    assert always.main_forward_passes == 1 + math.ceil((new - 1) / (k + 1))
+    assert [row.main_forward_passes for row in always.per_row] == [1 + math.ceil((new - 1) / (k + 1))] * 3
+    assert always.accepted_tokens == always.draft_tokens
     never = jaxmtp.generate(gm.model("never"), prompts, max_new_tokens=new, speculative_k=k).stats
-    assert never["acceptance_rate"] == 0.0 and never["accepted_tokens"] == 0
-    assert never["mean_accepted_length"] == 1.0
-    assert never["main_forward_passes"] == new
-    assert never["draft_tokens"] == 3 * (new - 1) * k
+    assert never.acceptance_rate == 0.0 and never.accepted_tokens == 0
+    assert never.mean_accepted_length == 1.0
+    assert never.main_forward_passes == new
+    assert never.draft_tokens == 3 * (new - 1) * k
 
 
 def test_rows_accept_different_counts():
     prompts = [[3, 4, 5], [7], [11, 12, 13, 14, 15, 16], [100, 200]]
     out = jaxmtp.generate(gm.model("partial"), prompts, max_new_tokens=24, speculative_k=3)
-    per_row = [row["mean_accepted_length"] for row in out.stats["per_row"]]
+    per_row = [row.mean_accepted_length for row in out.stats.per_row]
     assert len(set(per_row)) > 1, per_row
-    assert 0.2 < out.stats["acceptance_rate"] < 0.95
+    assert 0.2 < out.stats.acceptance_rate < 0.95
 
 
-def test_one_trace_per_bucket_and_no_host_callbacks():
+def test_one_compile_per_bucket_and_no_host_callbacks():
     model = gm.model("partial")
-    before = sum(TRACES.values())
-    first = jaxmtp.generate(model, [list(range(1, 21))], max_new_tokens=64, speculative_k=2)
-    assert len(first.tokens[0]) == 64 and sum(TRACES.values()) == before + 2  # the prefill and the loop
+    loop = ("start", "advance")
+    with compiles() as built:
+        first = jaxmtp.generate(model, [list(range(1, 21))], max_new_tokens=64, speculative_k=2)
+    assert len(first.tokens[0]) == 64 and [built[name] for name in loop] == [1, 1]  # the prefill and the loop
     # Another prompt length in the same bucket (17..32), other limits, EOS ids and up to 4 stop
     # sequences of up to 4 tokens reuse them, streamed or not.
-    jaxmtp.generate(model, [list(range(5, 35))], max_new_tokens=40, speculative_k=2, eos_token_id=7,
-                    stop_token_ids=[[3, 4], [9, 8, 7, 6]])
-    list(jaxmtp.generate_stream(model, list(range(5, 35)), max_new_tokens=40, speculative_k=2, eos_token_id=[7, 8],
-                                stop_token_ids=[[5, 6]]))
-    assert sum(TRACES.values()) == before + 2
+    with compiles() as built:
+        jaxmtp.generate(model, [list(range(5, 35))], max_new_tokens=40, speculative_k=2, eos_token_id=7,
+                        stop_token_ids=[[3, 4], [9, 8, 7, 6]])
+        list(jaxmtp.generate_stream(model, list(range(5, 35)), max_new_tokens=40, speculative_k=2,
+                                    eos_token_id=[7, 8], stop_token_ids=[[5, 6]]))
+    assert [built[name] for name in loop] == [0, 0], built
     # Longer ones are another bucket.
-    jaxmtp.generate(model, [list(range(5, 35))], max_new_tokens=40, speculative_k=2, stop_token_ids=[[1] * 5])
-    assert sum(TRACES.values()) == before + 4
+    with compiles() as built:
+        jaxmtp.generate(model, [list(range(5, 35))], max_new_tokens=40, speculative_k=2, stop_token_ids=[[1] * 5])
+    assert [built[name] for name in loop] == [1, 1], built
     prepared = prepare(model, [list(range(1, 21))], max_new_tokens=64, speculative_k=2)
     state = jax.eval_shape(start, prepared.static, prepared.params, prepared.inputs)
     jaxpr = str(jax.make_jaxpr(advance, static_argnums=0)(prepared.static, prepared.params, state, prepared.inputs,
@@ -231,11 +253,11 @@ def test_auto_k_greedy_is_plain_greedy(kind, prompts):
     plain = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW)
     auto = jaxmtp.generate(model, prompts, max_new_tokens=MAX_NEW, speculative_k="auto")
     assert auto.tokens == plain.tokens
-    costs = auto.stats["round_costs"]
-    assert len(costs) == AUTO_MAX_K + 1 and all(c > 0 for c in costs) and plain.stats["round_costs"] is None
+    costs = auto.stats.round_costs
+    assert len(costs) == AUTO_MAX_K + 1 and all(c > 0 for c in costs) and plain.stats.round_costs is None
     assert list(costs) == sorted(costs)  # a round at k costs at least one at k - 1
-    for row in auto.stats["per_row"]:  # every round of a row is counted at the k it ran
-        assert sum(row["rounds_by_k"].values()) == row["main_forward_passes"] - 1
+    for row in auto.stats.per_row:  # every round of a row is counted at the k it ran
+        assert sum(row.rounds_by_k.values()) == row.main_forward_passes - 1
 
 
 @pytest.mark.parametrize("force", [0, 1, AUTO_MAX_K])
@@ -247,7 +269,7 @@ def test_every_forced_k_of_the_auto_loop_is_plain_greedy(force):
     prepared = prepare(model, prompts, max_new_tokens=20, speculative_k="auto")
     out = unpack(prepared, prepared.run(prepared.inputs.replace(force_k=jax.numpy.int32(force))))
     assert out.tokens == plain.tokens
-    assert set(out.stats["rounds_by_k"]) == {force}
+    assert set(out.stats.rounds_by_k) == {force}
 
 
 def test_auto_loop_updates_its_caches_in_place():
@@ -299,7 +321,7 @@ def test_auto_follows_acceptance():
     runs = {}
     for kind in ("always", "never"):
         prepared = prepare(gm.model(kind), prompts, max_new_tokens=100, speculative_k="auto").with_costs(costs)
-        runs[kind] = unpack(prepared, prepared.run()).stats["rounds_by_k"]
+        runs[kind] = unpack(prepared, prepared.run()).stats.rounds_by_k
     climb = {k: AUTO_SEGMENT for k in range(1, AUTO_MAX_K)}
     assert {k: n for k, n in runs["always"].items() if k < AUTO_MAX_K} == climb and runs["always"][AUTO_MAX_K] >= 5
     never = runs["never"]
@@ -355,7 +377,7 @@ def test_auto_drafts_only_where_a_round_pays_at_the_prior():
     for costs, drafts in (([0.95, 1.8, 2.3, 2.7], False), ([1.0, 1.6, 2.3, 2.7], True)):
         run = prepared.with_costs(costs[:AUTO_MAX_K + 1])
         stats = unpack(run, run.run()).stats
-        assert (stats["draft_tokens"] > 0) == drafts and sum(stats["rounds_by_k"].values()) > 0
+        assert (stats.draft_tokens > 0) == drafts and sum(stats.rounds_by_k.values()) > 0
 
 
 def test_greedy_choice_is_numpys_argmax_with_ties_and_nans():

@@ -32,7 +32,8 @@ def test_published_config_loads_and_counts_about_a_trillion():
 def test_other_model_types_are_refused_with_the_supported_ones():
     raw = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").to_hf_config()
     for model_type in ("deepseek_v2", "llama", None):
-        with pytest.raises(ConfigError, match=r"model_type: expected one of 'deepseek_v3', 'kimi_k2', 'deepseek_v32'"):
+        with pytest.raises(ConfigError, match=r"model_type: expected one of 'deepseek_v3', 'kimi_k2', 'deepseek_v32' "
+                                                r"\(the DeepSeek-V3 architecture: .*V3\.2.*\)"):
             jaxmtp.ModelConfig.from_hf_config(dict(raw, model_type=model_type))
 
 
@@ -66,12 +67,14 @@ def test_tiny_kimi_checkpoint_generates_what_transformers_generates(kimi_checkpo
     assert json.load(open(tmp_path / "saved" / "config.json"))["model_type"] == "kimi_k2"
 
 
-def test_cli_says_what_a_kimi_checkpoint_needs(kimi_checkpoint, capsys):
+def test_cli_says_what_a_kimi_checkpoint_needs(kimi_checkpoint, capsys, monkeypatch):
     """Kimi K2 ships tiktoken.model, not tokenizer.json: text prompts are refused with a pointer to
-    --tokens; token ids generate, with a note that there is no MTP layer to speculate with."""
+    --tokens, before any weight is read; token ids generate, with a note that there is no MTP layer
+    to speculate with."""
     _, path = kimi_checkpoint
     (path / "tiktoken.model").write_text("")
-    with pytest.raises(SystemExit):
+    with monkeypatch.context() as patched, pytest.raises(SystemExit):
+        patched.setattr(jaxmtp, "load", lambda *args, **kwargs: pytest.fail("loaded before refusing the prompt"))
         cli(["generate", "--model", str(path), "--quiet", "hello"])
     refused = capsys.readouterr().err
     assert "tiktoken tokenizer (tiktoken.model" in refused and "pass token ids with --tokens" in refused

@@ -197,3 +197,27 @@ def test_non_finite_orbax_parameter_rejected(tmp_path):
     jaxmtp.save(jaxmtp.Model(model.config, params), tmp_path / "orbax", format="orbax")
     with pytest.raises(CheckpointError, match=r"parameter \['norm'\]\['weight'\] contains NaN or Inf"):
         jaxmtp.load(tmp_path / "orbax")
+
+
+def test_a_model_that_cannot_fit_the_host_is_refused_before_reading(saved, monkeypatch):
+    """On one CPU device the parameters are the host's: their bytes, from the abstract shapes,
+    against MemAvailable, before any tensor is read; check_memory=False skips the check."""
+    import jax
+
+    from jaxmtp import memory
+    from jaxmtp.checkpoint import sharded
+    from jaxmtp.params import abstract_params
+
+    config = jaxmtp.ModelConfig.from_hf_config(saved[2])
+    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_params(config)))
+    monkeypatch.setattr(memory, "host_room", lambda: need - 1)
+    original = sharded.TensorFiles.read
+    monkeypatch.setattr(sharded.TensorFiles, "read", lambda *a, **kw: pytest.fail("a tensor was read"))
+    with pytest.raises(CheckpointError, match=rf"the parameters need {need:,} bytes .* of host memory \({need:,} bytes "
+                                              rf".* per device \(on one device, all in host memory\)\), but "
+                                              rf"MemAvailable is {need - 1:,} bytes"):
+        jaxmtp.load(saved[2], quiet=True)
+    monkeypatch.setattr(sharded.TensorFiles, "read", original)
+    jaxmtp.load(saved[2], quiet=True, check_memory=False)
+    monkeypatch.setattr(memory, "host_room", lambda: need)
+    jaxmtp.load(saved[2], quiet=True)  # exactly fits

@@ -1,16 +1,24 @@
 """Sharded models on 8 emulated CPU devices: same numbers and tokens as one device; real shards."""
 
 import collections
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
 
 import generation_models as gm
 import jaxmtp
-from jaxmtp.sharding import make_mesh, place, shard_shapes
-from jaxmtp.params import param_shardings
+from jaxmtp.decoding import start
+from jaxmtp.errors import InputError
+from jaxmtp.generation import prepare
+from jaxmtp.model import apply_forward
+from jaxmtp.moe import expert_parallel_mesh
+from jaxmtp.params import abstract_params, param_shardings
+from jaxmtp.quant import quantize
+from jaxmtp.sharding import ShardingWarning, make_mesh, place, shard_shapes
 
 CONFIG, PROMPTS = gm.MESH_CONFIG, gm.MESH_PROMPTS
 MESHES = [(1, 1, 8), (1, 8, 1), (2, 2, 2), (8, 1, 1)]  # each axis whole, and all three at once
@@ -81,6 +89,75 @@ def test_data_axis_splits_the_experts_too():
     L, E, I, D = c.num_moe_layers, c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
     assert shard_shapes(moe["mlp"]["experts"]["gate_proj"]) == {(L, E // 8, I, D)}
     assert shard_shapes(moe["self_attn"]["q_b_proj"]["weight"]) == {moe["self_attn"]["q_b_proj"]["weight"].shape}
+
+
+def test_unsplit_parameters_are_named_and_idle_axes_refused():
+    """Where a mesh axis does not divide a dimension its rule splits, the parameter stays whole over
+    it and one ShardingWarning names the dimension, the axis and the parameters; the test meshes
+    divide everything and warn nothing; an axis that splits no parameter at all is refused."""
+    for sizes in MESHES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ShardingWarning)
+            param_shardings(CONFIG, abstract_params(CONFIG), make_mesh(*sizes))
+    odd_vocab = CONFIG.replace(vocab_size=510)
+    with pytest.warns(ShardingWarning, match=r"vocab 510 is not divisible by tensor=4: embed_tokens/weight, "
+                                             r"lm_head/weight stay whole"):
+        shardings = param_shardings(odd_vocab, abstract_params(odd_vocab), make_mesh(expert=2, tensor=4))
+    assert shardings["embed_tokens"]["weight"].shard_shape((510, CONFIG.hidden_size)) == (510, CONFIG.hidden_size)
+    q_b = (CONFIG.num_moe_layers, CONFIG.num_attention_heads * CONFIG.qk_head_dim, CONFIG.q_lora_rank)
+    assert shardings["moe_layers"]["layers"]["self_attn"]["q_b_proj"]["weight"].shard_shape(q_b)[1] == q_b[1] // 4
+    four_experts = CONFIG.replace(n_routed_experts=4, n_group=2, topk_group=1)  # over expert alone, whole over data
+    with pytest.warns(ShardingWarning, match=r"expert 4 is not divisible by data x expert = 4 x 2: "
+                                             r"split over expert=2 alone: moe_layers/layers/mlp/experts/"):
+        shardings = param_shardings(four_experts, abstract_params(four_experts), make_mesh(data=4, expert=2))
+    gate = (four_experts.num_moe_layers, 4, CONFIG.moe_intermediate_size, CONFIG.hidden_size)
+    assert shardings["moe_layers"]["layers"]["mlp"]["experts"]["gate_proj"].shard_shape(gate)[1] == 2
+    with pytest.raises(InputError, match="mesh axis expert=8 splits no parameter of this model "
+                                         r"\(expert 4 is not divisible by expert=8\)"):
+        param_shardings(four_experts, abstract_params(four_experts), make_mesh(expert=8))
+
+
+def test_experts_that_cannot_run_parallel_say_why():
+    """expert_parallel_mesh: the context mesh where the experts run expert/tensor-parallel; where
+    they cannot, None and a ShardingWarning naming the axis; None without a mesh."""
+    config = CONFIG.replace(moe_intermediate_size=36)
+    gate = jnp.zeros((config.n_routed_experts, 36, config.hidden_size))
+    assert expert_parallel_mesh(config, gate) is None  # one device
+    with jax.set_mesh(make_mesh(data=2, expert=2, tensor=2)), warnings.catch_warnings():
+        warnings.simplefilter("error", ShardingWarning)
+        assert expert_parallel_mesh(config, gate) is not None
+    with jax.set_mesh(make_mesh(tensor=8)), pytest.warns(
+            ShardingWarning, match="moe_intermediate_size 36 is not divisible by tensor=8"):
+        assert expert_parallel_mesh(config, gate) is None
+    fp8 = config.replace(moe_intermediate_size=256)
+    blocks = quantize(np.ones((fp8.n_routed_experts, 256, 128), np.float32))
+    with jax.set_mesh(make_mesh(data=2, tensor=4)), pytest.warns(
+            ShardingWarning, match="256 / tensor=4 = 64 rows per device would cut the FP8 weights' 128-row scale"):
+        assert expert_parallel_mesh(fp8, blocks) is None
+    four = config.replace(n_routed_experts=4, n_group=2, topk_group=1, moe_intermediate_size=32)
+    with jax.set_mesh(make_mesh(data=8)), pytest.warns(
+            ShardingWarning, match="n_routed_experts 4 is not divisible by data=8, and there is no tensor axis"):
+        assert expert_parallel_mesh(four, gate[:4, :32]) is None
+
+
+def test_sharded_parameters_outside_their_mesh_are_refused(single):
+    """A model's jitted functions called on parameters placed on a mesh but with no mesh set would
+    run another program (MoE without expert parallelism): they refuse, naming the function; the
+    Model methods and generate set the mesh themselves."""
+    sharded = _on_mesh(single, (2, 2, 2))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (8, 12)), jnp.int32)
+    with pytest.raises(InputError, match=r"apply_forward: arrays placed on a mesh \(data=2 x expert=2 x "
+                                         r"tensor=2\) but no mesh is set: run it inside `with model.mesh_context"):
+        apply_forward(sharded.config, sharded.dtype, sharded.layout, sharded.params, tokens)
+    experts = sharded.params["moe_layers"]["layers"]["mlp"]["experts"]["gate_proj"]
+    with pytest.raises(InputError, match="MoE experts: arrays placed on a mesh"):
+        expert_parallel_mesh(CONFIG, experts)
+    prepared = prepare(sharded, PROMPTS, max_new_tokens=4)
+    with pytest.raises(InputError, match="decoding.start: arrays placed on a mesh"):
+        start(prepared.static, prepared.params, prepared.inputs)
+    with sharded.mesh_context():
+        logits, _ = apply_forward(sharded.config, sharded.dtype, sharded.layout, sharded.params, tokens)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(single.forward(tokens)[0]), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["hf", "orbax"])
@@ -169,29 +246,51 @@ def test_fp8_dequantized_on_a_mesh_cuts_through_scale_blocks(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_plan_compiles_speculative_generation_for_an_emulated_mesh():
-    from jaxmtp.plan import plan
+def test_plan_compiles_the_auto_loop_and_a_fixed_k_for_an_emulated_mesh_and_counts_the_largest():
+    import re
+
+    from jaxmtp.generation import AUTO_MAX_K
+    from jaxmtp.plan import DEVICES, AllocatorSettings, default_loops, memory_limit, plans, report, total_bytes
 
     config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json")
-    figures = plan(config, data=2, expert=2, tensor=2, batch=4, max_len=128, prompt_len=16, k=2)
+    results = plans(config, data=2, expert=2, tensor=2, batch=4, max_len=128, prompt_len=16,
+                    loops=default_loops(config, 2))  # what `jaxmtp plan` compiles by default
+    assert [(r["k"], r["auto"]) for r in results] == [(AUTO_MAX_K, True), (2, False)]
+    assert all("sampling with top-k and top-p" in r["loop"] for r in results)
     layers = config.num_hidden_layers + config.num_nextn_predict_layers
-    assert figures["cache_bytes_per_device"] == layers * 2 * 128 * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
     counts = jaxmtp.params.parameter_counts(config)
     total = 2 * (counts["main"] + counts["mtp_unique"])  # bf16
-    assert total / 8 <= figures["parameter_bytes_per_device"] <= total  # at least an even share of 8 devices
-    largest = [t["bytes"] for t in figures["largest_temporaries"]]
-    assert largest == sorted(largest, reverse=True) and 0 < largest[0] <= figures["xla_temp_bytes"]
+    for figures in results:
+        assert figures["cache_bytes_per_device"] == layers * 2 * 128 * (config.kv_lora_rank
+                                                                        + config.qk_rope_head_dim) * 2
+        assert total / 8 <= figures["parameter_bytes_per_device"] <= total  # at least an even share of 8 devices
+        largest = [t["bytes"] for t in figures["largest_temporaries"]]
+        assert largest == sorted(largest, reverse=True) and 0 < largest[0] <= figures["xla_temp_bytes"]
+    text = report(results, [memory_limit(DEVICES["h200"], AllocatorSettings())])
+    biggest = max(results, key=lambda r: r["xla_argument_bytes"] + r["xla_temp_bytes"] + r["xla_output_bytes"])
+    for r in results:  # a table row per loop (the tiny model's totals print as 0.00 GB)
+        assert re.search("^" + re.escape(r["loop"]) + rf"\s+{total_bytes(r) / 1e9:.2f}\s", text, re.M), r["loop"]
+    assert f"the largest, {biggest['loop']}:" in text
+    assert "H200 (141 GB): allocator limit 105.75 GB = 0.75 x 141 GB (XLA_CLIENT_MEM_FRACTION unset: JAX's " \
+           "default): fits (0% of the limit)" in text
 
 
-def test_plan_fit_finds_contexts_that_fit_and_no_much_longer_one():
-    from jaxmtp.plan import fit, plan, total_bytes
+def test_plan_fit_finds_contexts_that_fit_the_allocator_limit_and_no_much_longer_one():
+    from jaxmtp.plan import AllocatorSettings, Device, Loop, fit, fit_report, memory_limit, plan, total_bytes
 
     config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").replace(max_position_embeddings=65536)
-    capacity = 60e6
-    # Few devices, one batch and plain decoding (k = 0): compiles are what this test costs.
-    results = fit(config, data=2, expert=1, tensor=1, capacity=capacity, k=0, rows=1)
+    # A GPU of 80 MB at JAX's default fraction: 60 MB.
+    limit = memory_limit(Device("GPU", 80e6, gpu=True), AllocatorSettings())
+    capacity = 0.75 * 80e6
+    assert limit.bytes == pytest.approx(capacity)
+    # Few devices, one batch and one greedy plain loop (k = 0): compiles are what this test costs.
+    results = fit(config, data=2, expert=1, tensor=1, capacity=limit.bytes, k=0, rows=1, loops=[Loop(0)])
     assert [r["batch"] for r in results] == [2]
     assert all(total_bytes(r) <= capacity and r["prompt_len"] == r["cache_len"] for r in results)
+    assert [loop["total_bytes"] for loop in results[0]["loops"]] == [total_bytes(results[0])]
+    text = fit_report(results, limit)
+    assert text.startswith("GPU (0.08 GB): allocator limit 0.06 GB = 0.75 x 0.08 GB")
+    assert f"{results[0]['cache_len']:12d}" in text and "XLA_CLIENT_MEM_FRACTION=0.95 would let JAX hold" in text
     longer = plan(config, 2, 1, 1, batch=2, max_len=results[0]["cache_len"] * 5 // 4,
                   prompt_len=results[0]["cache_len"] * 5 // 4, k=0)
     assert total_bytes(longer) > capacity

@@ -95,5 +95,5 @@ def test_prefix_attention_decode_equals_uncached_forward(monkeypatch, batch, abs
 
 def test_cache_bytes_per_token_for_deepseek_v3():
     v3 = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/deepseek_v3_671b.json")
-    assert v3.cache_width == 576  # 512 latent + 64 rope key, spec section 6.3
+    assert v3.cache_width == 576  # 512 latent + 64 rope key
     assert bytes_per_token(v3, jnp.bfloat16) == 1152

@@ -1,5 +1,7 @@
 """Two processes x 4 CPU devices form one mesh (jax.distributed over loopback), load a checkpoint
-onto it and generate the same tokens as one process."""
+onto it and generate the same tokens as one process; with speculative_k="auto" and a round-cost
+table of its own per process, both decode with process 0's costs, so with the same k in every
+round. In one process, auto's measuring loops compile in the caller's mesh."""
 
 import json
 import os
@@ -7,12 +9,18 @@ import socket
 import subprocess
 import sys
 
+import jax
+import numpy as np
+
 import generation_models as gm
 import jaxmtp
+from jaxmtp import calibration
+from jaxmtp.sharding import make_mesh
 
 CONFIG, PROMPTS = gm.MESH_CONFIG, gm.MESH_PROMPTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER_TIMEOUT = 600  # seconds: a worker still running then is stuck in a collective
 
 
 def _free_port():
@@ -21,17 +29,61 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _run_workers(model_dir, out_dir):
+    """Both workers to their end (killed past WORKER_TIMEOUT) -> their JSON results."""
+    port = str(_free_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+               WORKER_TIMEOUT=str(WORKER_TIMEOUT))
+    workers = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(i), port, model_dir,
+                                 out_dir], env=dict(env, JAXMTP_CACHE_DIR=os.path.join(out_dir, f"costs{i}")),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for i in range(2)]
+    try:
+        logs = [w.communicate(timeout=WORKER_TIMEOUT + 60)[0] for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    assert all(w.returncode == 0 for w in workers), "\n".join(logs)[-6000:]
+    results = []
+    for i in range(2):
+        with open(os.path.join(out_dir, f"process{i}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
 def test_two_processes_generate_like_one(tmp_path):
-    port, out, model_dir = str(_free_port()), str(tmp_path / "tokens.json"), str(tmp_path / "model")
+    model_dir = str(tmp_path / "model")
     single = gm.model("partial", CONFIG)
     jaxmtp.save(single, model_dir)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    workers = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(i), port, model_dir, out],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for i in range(2)]
-    logs = [w.communicate(timeout=600)[0] for w in workers]
-    assert all(w.returncode == 0 for w in workers), "\n".join(logs)[-4000:]
-    with open(out) as f:
-        got = json.load(f)
+    first, second = _run_workers(model_dir, str(tmp_path))
     for k in (0, 2):
-        assert got[str(k)] == jaxmtp.generate(single, PROMPTS, max_new_tokens=10, speculative_k=k).tokens
+        assert first[str(k)] == second[str(k)]
+        assert first[str(k)] == jaxmtp.generate(single, PROMPTS, max_new_tokens=10, speculative_k=k).tokens
+    # speculative_k="auto": process 1 alone had costs stored that pay no drafting, process 0 had
+    # none (so measured); then process 0's table held costs that pay, process 1's still the others.
+    greedy = jaxmtp.generate(single, PROMPTS, max_new_tokens=first["auto_tokens"], speculative_k=0).tokens
+    for run in ("measured", "stored", "chunked"):
+        same = lambda result: {name: value for name, value in result.items() if name != "compiled"}  # noqa: E731
+        assert same(first[run]) == same(second[run]), run  # tokens, costs, rounds at each k per row, steps
+        assert first[run]["tokens"] == greedy, run
+    assert first["measured"]["round_costs"] != second["plain_costs"]
+    drafting = np.float32(first["drafting_costs"]).tolist()
+    # The measuring compiled the auto loop that the decoding then runs (its inputs placed alike).
+    assert not [f for f in first["stored"]["compiled"] if "start" in f or "advance" in f], first["stored"]["compiled"]
+    for run in ("stored", "chunked"):
+        assert first[run]["round_costs"] == drafting and not first[run]["chose_plain"]
+        by_k = np.sum(first[run]["rounds_at"], axis=0)
+        assert by_k[1] > 0 and by_k[2] > 0, by_k  # the loop's choice changed k as it went
+
+
+def test_calibration_compiles_in_the_callers_mesh():
+    """In one process the measuring loops compile side by side in threads; `jax.set_mesh` holds per
+    thread, so each must be given the caller's (without it a loop on a mesh would be refused, see
+    jaxmtp.sharding.context_mesh)."""
+    mesh = make_mesh(data=2, expert=2, tensor=2)
+    seen = []
+    with jax.set_mesh(mesh):
+        calibration._warm_up(*[lambda: seen.append(jax.sharding.get_mesh())] * 2)
+    calibration._warm_up(lambda: seen.append(jax.sharding.get_mesh()))
+    assert seen[:2] == [mesh, mesh] and seen[2].empty

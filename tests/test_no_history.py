@@ -1,7 +1,8 @@
 """The sources and docs name no commits: a commit hash in a comment or docstring is history that ages.
 
-Results under benchmarks/results/ keep the commit they were measured at (their provenance), and
-CHANGELOG.md is history by design; both are left out.
+Results under benchmarks/results/ keep the commit they were measured at (their provenance), and so
+do the footnotes benchmarks/render.py renders from them (docs/performance.md and the README's results
+block); CHANGELOG.md is history by design. These are left out.
 """
 
 import json
@@ -15,7 +16,9 @@ SCANNED = ("README.md", "docs", "jaxmtp", "pallas_kernels", "tools", "tests", "n
 # Scanned only for these suffixes.
 BENCHMARKS, BENCHMARK_SUFFIXES = "benchmarks", (".py", ".sh", ".md")
 EXCLUDED_DIRS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
-EXCLUDED = ("benchmarks/results/",)
+EXCLUDED = ("benchmarks/results/", "docs/performance.md")
+# The README's block that benchmarks/render.py writes (its markers).
+RENDERED = re.compile(r"<!-- results: rendered by benchmarks/render.py -->.*?<!-- end of results -->", re.S)
 # A whole word of 7-40 lowercase hex digits with at least one digit and one letter a-f: the shape of
 # an abbreviated or full commit hash. A word touching letters, digits or "_" on either side is not
 # one, so hex constants written "0x..." and longer digests (sha256) do not match.
@@ -62,6 +65,8 @@ def offenders() -> list[str]:
         text = _text(path)
         if text is None:
             continue
+        if path == ROOT / "README.md":
+            text = RENDERED.sub(lambda m: "\n" * m.group().count("\n"), text)  # same line numbers after it
         notebook = path.suffix == ".ipynb"
         for number, line in enumerate(text.splitlines(), 1):
             if notebook and NOTEBOOK_CELL_ID.match(line):

@@ -1,4 +1,5 @@
-"""YaRN frequencies and softmax scale against the spec's worked numbers for DeepSeek-V3 (sections 7, 12)."""
+"""DeepSeek-V3's YaRN frequencies and softmax scale against numbers worked by hand from the YaRN formulas
+(factor 40, a linear ramp between frequency indices 10 and 23)."""
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ def test_v3_yarn_ramp():
     ratio = base / inverse_frequencies(V3).astype(np.float64)
     np.testing.assert_allclose(ratio[:11], 1.0, rtol=1e-6)  # i <= low = 10: unchanged
     np.testing.assert_allclose(ratio[23:], 40.0, rtol=1e-6)  # i >= high = 23: divided by factor
-    assert ratio[16] == pytest.approx(1 / (1 - 6 / 13 + 6 / 13 / 40), rel=1e-6)  # 1.818 in the spec
+    assert ratio[16] == pytest.approx(1 / (1 - 6 / 13 + 6 / 13 / 40), rel=1e-6)  # ramp 6/13: 1.818
     assert ratio[16] == pytest.approx(1.818, abs=1e-3)
     assert ratio[22] == pytest.approx(10.0, rel=1e-5)
     assert attention_factor(V3) == 1.0  # mscale == mscale_all_dim: cos/sin unscaled

@@ -1,4 +1,5 @@
-"""Group-limited routing against a numpy reference written from the spec's section 8."""
+"""Group-limited routing (DeepSeek-V3 `noaux_tc`: sigmoid scores, groups ranked by their top-2 sum)
+against a numpy reference written from its formulas."""
 
 import jax.numpy as jnp
 import numpy as np

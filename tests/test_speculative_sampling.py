@@ -96,4 +96,4 @@ def test_first_three_tokens_follow_the_model(k, temperature, top_k, top_p, confi
     p_value = chi_square_p_value(counts.ravel(), expected.ravel())
     assert p_value > 1e-3, p_value
     if k:  # both the accept and the reject paths really ran
-        assert 0.05 < out.stats["acceptance_rate"] < 0.95, out.stats["acceptance_rate"]
+        assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate

@@ -4,12 +4,12 @@ weights with their `weight_scale_inv`.
 
 Tensors are read one at a time from memory-mapped files and placed straight into their slot of the
 stacked parameter buffers, so host memory holds the parameters plus one tensor in flight. With a
-mesh, each device's block is read on its own (`jaxmtp.checkpoint.sharded`).
+mesh, each device's block is read on its own (`jaxmtp.checkpoint.sharded`), from the rank files too
+(`jaxmtp.checkpoint.official.RankTensorFiles`), and no whole host copy is made.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import warnings
@@ -27,7 +27,8 @@ from jaxmtp.checkpoint.sharded import TensorFiles, load_onto_mesh
 from jaxmtp.config import ModelConfig
 from jaxmtp.errors import CheckpointError, ConfigError
 from jaxmtp.model import Model
-from jaxmtp.params import abstract_params
+from jaxmtp.memory import check_fits
+from jaxmtp.params import abstract_params, param_shardings
 from jaxmtp.quant import dequantize
 
 # safetensors' numpy backend looks FP8 dtypes up on the numpy module; ml_dtypes provides them.
@@ -76,7 +77,7 @@ def default_dtype(directory: str):
 
 
 def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_finite: bool = True,
-            quiet: bool = False, mesh=None, mtp: bool = True) -> Model:
+            quiet: bool = False, mesh=None, mtp: bool = True, check_memory: bool = True) -> Model:
     """Loads an HF-layout or DeepSeek-converted checkpoint into a Model.
 
     Args:
@@ -86,6 +87,8 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
       check_finite: reject NaN/Inf in any tensor.
       mesh: place every parameter with its NamedSharding, each device receiving only its slice.
       mtp: False loads the main model alone, without the MTP layer's tensors even if present.
+      check_memory: refuse, before reading any tensor, parameters that cannot fit the devices
+        (jaxmtp.memory.check_fits).
     Every tensor the config implies must be present with its exact shape and dtype, and every
     tensor in the files must be one the model uses; anything else raises CheckpointError.
     """
@@ -106,9 +109,12 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
     files = ranks or checkpoint_files(directory)
     if not ranks:
         _check_architecture(files, config, skipped)
-    if mesh is not None and not ranks:
-        return Model(config, _load_onto_mesh(files, target, expected, copies, config, keep, check_finite, quiet, mesh,
-                                             skipped), mesh)
+    shardings = None if mesh is None else param_shardings(config, target, mesh)
+    if check_memory:
+        check_fits(target, shardings, staged_on_host=mesh is None, source=directory)
+    if mesh is not None:
+        return Model(config, _load_onto_mesh(files, ranks, target, shardings, expected, copies, config, keep,
+                                             check_finite, quiet, skipped), mesh)
     buffers = jax.tree.map(lambda leaf: _aligned_empty(leaf.shape, leaf.dtype), target)
     placer = _Placer(buffers, keep, config)
     copy_values = {}
@@ -129,30 +135,22 @@ def load_hf(directory: str, dtype=None, quantized: str = "dequantize", check_fin
     _check_missing(directory, expected, placer.seen)
     for name, value in copy_values.items():
         _check_copy(name, copies[name], value, leaf_at(buffers, copies[name]))
-    if mesh is None:
-        return Model(config, _to_device(buffers))
-    from jaxmtp.sharding import place
-    from jaxmtp.params import param_shardings
-
-    return Model(config, place(buffers, param_shardings(config, target, mesh)), mesh)
+    return Model(config, _to_device(buffers))
 
 
-def _load_onto_mesh(files, target, expected, copies, config, keep, check_finite, quiet, mesh, skipped):
-    """Checks every header, then reads each device's block of each parameter on its own."""
-    from jaxmtp.params import param_shardings
-
-    with contextlib.ExitStack() as stack:
-        tensors = TensorFiles(files, stack)
-        for name, (file, kind, shape) in tensors.where.items():
-            if name not in copies and not name.startswith(skipped):
-                _check_tensor(file, name, kind, shape, expected, config)
-        _check_missing(os.path.dirname(files[0]), expected, tensors.where)
-        for name, path in copies.items():
-            if name in tensors.where:
-                _check_copy(name, path, tensors.read(name), tensors.read(hf_name(path, (), config)))
-        with _progress(files, quiet) as bar:
-            return load_onto_mesh(tensors, target, param_shardings(config, target, mesh), config, keep, check_finite,
-                                  bar)
+def _load_onto_mesh(files, ranks, target, shardings, expected, copies, config, keep, check_finite, quiet, skipped):
+    """Checks every header, then reads each device's block of each parameter on its own (from
+    the HF files, or from DeepSeek's rank files where `ranks`)."""
+    tensors = official.RankTensorFiles(files, expected, config) if ranks else TensorFiles(files)
+    for name, (file, kind, shape) in tensors.where.items():
+        if name not in copies and not name.startswith(skipped):
+            _check_tensor(file, name, kind, shape, expected, config)
+    _check_missing(os.path.dirname(files[0]), expected, tensors.where)
+    for name, path in copies.items():
+        if name in tensors.where:
+            _check_copy(name, path, tensors.read(name), tensors.read(hf_name(path, (), config)))
+    with _progress(files, quiet) as bar:
+        return load_onto_mesh(tensors, target, shardings, config, keep, check_finite, bar)
 
 
 class _Placer:
@@ -188,18 +186,15 @@ def _progress(files, quiet):
 def _tensors(files, bar):
     """Yields (file, name, safetensors dtype, numpy array) for every tensor, file by file."""
     for file in files:
-        with contextlib.ExitStack() as stack:
-            tensors = TensorFiles([file], stack)
-            for name, (_, kind, _) in tensors.where.items():
-                yield file, name, kind, tensors.read(name, bar=bar)
+        tensors = TensorFiles([file])
+        for name, (_, kind, _) in tensors.where.items():
+            yield file, name, kind, tensors.read(name, bar=bar)
 
 
 def _check_architecture(files, config, skipped):
     """Compares the sizes the tensor headers imply with config.json before reading any data, so
     that a disagreement names the config field (jaxmtp.checkpoint.diagnose)."""
-    with contextlib.ExitStack() as stack:
-        shapes = {name: shape for name, (_, _, shape) in TensorFiles(files, stack).where.items()
-                  if not name.startswith(skipped)}
+    shapes = {name: shape for name, (_, _, shape) in TensorFiles(files).where.items() if not name.startswith(skipped)}
     problem = diagnose.mismatch(config, shapes)
     if problem:
         raise CheckpointError(f"{os.path.dirname(files[0])}: {problem}")

@@ -123,3 +123,72 @@ def _assemble(files, handles, keys, name, dim, rank):
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{files[r]}: cannot read tensor {name!r} ({e})") from None
     return kind, pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=dim)
+
+
+class RankTensorFiles:
+    """The rank files read as the HF tensors they were cut from, region by region, with the
+    interface of `jaxmtp.checkpoint.sharded.TensorFiles` (`where`: HF name -> (file, safetensors
+    dtype, HF shape); `read(name, region, bar)`), so that a load onto a mesh reads each device's
+    block from the ranks that hold it and never assembles a whole tensor it does not need.
+    Tensors whose names map to no HF tensor keep their own names, for the caller to report."""
+
+    def __init__(self, files: list[str], hf_names, config: ModelConfig):
+        from jaxmtp.checkpoint.sharded import TensorFiles
+
+        n = len(files)
+        if config.n_routed_experts % n:
+            raise CheckpointError(f"{files[0]}: {config.n_routed_experts} routed experts cannot be split over "
+                                  f"mp={n} ranks")
+        local_experts = config.n_routed_experts // n
+        ranks = [TensorFiles([file]) for file in files]
+        self.where, self.parts = {}, {}  # parts: HF name -> (cut dim or None, [(rank files, name, start, stop)])
+        known = set()
+        for hf in hf_names:
+            name, dim = converted_name(hf)
+            known.add(name)
+            expert = _expert_index(name)
+            holders = [expert // local_experts] if expert is not None else [0] if dim is None else range(n)
+            if any(name not in ranks[r].where for r in holders):
+                missing = next(r for r in holders if name not in ranks[r].where)
+                if dim is not None and expert is None and name in ranks[0].where:
+                    raise CheckpointError(f"{files[missing]}: tensor {name!r} missing from this rank's slice")
+                continue  # absent: the caller reports it missing
+            self._add(hf, name, None if expert is not None else dim, [ranks[r] for r in holders])
+        for rank, tensors in enumerate(ranks):
+            for name in tensors.where:
+                expert = _expert_index(name)
+                if expert is not None and expert // local_experts != rank:
+                    raise CheckpointError(f"{files[rank]}: holds expert {expert}, which belongs to rank "
+                                          f"{expert // local_experts}")
+                if expert is None and rank > 0 and name not in ranks[0].where:
+                    raise CheckpointError(f"{files[rank]}: tensor {name!r} is absent from {files[0]}")
+                if name not in known and name not in self.where:
+                    self._add(name, name, None, [tensors])
+
+    def _add(self, hf, name, dim, holders):
+        file, kind, shape = holders[0].where[name]
+        parts, start = [], 0
+        for tensors in holders if dim is not None else holders[:1]:
+            size = tensors.where[name][2][dim] if dim is not None else 0
+            parts.append((tensors, name, start, start + size))
+            start += size
+        if dim is not None:
+            shape = shape[:dim] + (start,) + shape[dim + 1:]
+        self.where[hf] = (file, kind, tuple(shape))
+        self.parts[hf] = (dim, parts)
+
+    def read(self, name, region=(), bar=None) -> np.ndarray:
+        """The HF tensor `name`, or `region` (a tuple of slices) of it, read from the ranks that hold it."""
+        dim, parts = self.parts[name]
+        if dim is None:
+            tensors, converted, _, _ = parts[0]
+            return tensors.read(converted, region, bar)
+        shape = self.where[name][2]
+        region = tuple(slice(*s.indices(n)) for s, n in zip(tuple(region) + (slice(None),) * len(shape), shape))
+        want, pieces = region[dim], []
+        for tensors, converted, start, stop in parts:
+            low, high = max(want.start, start), min(want.stop, stop)
+            if low < high:
+                local = region[:dim] + (slice(low - start, high - start),) + region[dim + 1:]
+                pieces.append(tensors.read(converted, local, bar))
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=dim)

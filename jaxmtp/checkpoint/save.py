@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import math
 import os
 import shutil
 import sys
@@ -36,26 +37,33 @@ def saved_config(model):
 
 def save_hf(model, path: str, max_shard_bytes: int = 4 << 30):
     """Writes config.json, model-XXXXX-of-YYYYY.safetensors and model.safetensors.index.json into the
-    existing directory `path` (a `write_checkpoint` temporary)."""
+    existing directory `path` (a `write_checkpoint` temporary). The files are planned from the
+    tensors' sizes first and written one at a time, each tensor copied to the host (gathered from
+    the mesh) as its file is written: the host holds at most one file's tensors."""
     config = saved_config(model)
+    spread = [leaf for leaf in jax.tree.leaves(model.params) if not getattr(leaf, "is_fully_addressable", True)]
+    if spread:
+        raise InputError("format='hf': the parameters span several processes, and safetensors files are written by "
+                         "one; write format='orbax' (each process writes its blocks)")
     raw = config.to_hf_config()
     raw["dtype"] = str(model.dtype)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
-    shards, current, size = [], {}, 0
-    for name, tensor_path, index, _, role in expected_tensors(model.params, config):
+    shards, current, size = [], [], 0
+    for name, tensor_path, index, shape, role in expected_tensors(model.params, config):
         leaf = leaf_at(model.params, tensor_path)
         array = leaf if role == "dense" else (leaf.value if role == "fp8" else leaf.scale)
-        value = np.asarray(array[index])
-        if current and size + value.nbytes > max_shard_bytes:
+        nbytes = math.prod(shape) * np.dtype(array.dtype).itemsize
+        if current and size + nbytes > max_shard_bytes:
             shards.append(current)
-            current, size = {}, 0
-        current[name] = value
-        size += value.nbytes
+            current, size = [], 0
+        current.append((name, array, index))
+        size += nbytes
     shards.append(current)
     weight_map, total = {}, 0
-    for i, tensors in enumerate(shards):
+    for i, entries in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: np.asarray(array[index]) for name, array, index in entries}
         save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.nbytes for t in tensors.values())
@@ -192,21 +200,33 @@ def _fsync(path: str):
         os.close(fd)
 
 
-def load_orbax(path: str, dtype=None, quantized: str = "dequantize", mesh=None):
+def orbax_meta(path: str) -> dict:
+    """What `save_orbax` recorded beside the parameters: {"dtype": ..., "quantized": bool}."""
+    with open(os.path.join(path, ORBAX_META)) as f:
+        return json.load(f)
+
+
+def load_orbax(path: str, dtype=None, quantized: str = "dequantize", mesh=None, check_memory: bool = True):
     """Restores a save_orbax directory; orbax casts the dense parameters to `dtype` and, with a
-    mesh, places each parameter with its NamedSharding as it reads. FP8-kept weights stay
-    QuantizedWeight with quantized="keep", else become dense `dtype`."""
+    mesh, places each parameter with its NamedSharding as it reads (each device's block on its
+    own). FP8-kept weights stay QuantizedWeight with quantized="keep", else become dense `dtype`.
+    check_memory: refuse parameters that cannot fit the devices before restoring any."""
+    from jaxmtp.memory import check_fits
+    from jaxmtp.params import param_shardings
+
     path = os.path.abspath(path)
     config = ModelConfig.from_hf_config(path)
-    with open(os.path.join(path, ORBAX_META)) as f:
-        meta = json.load(f)
+    meta = orbax_meta(path)
     dtype = jnp.dtype(dtype or meta["dtype"])
     target = abstract_params(config, dtype, keep_fp8=meta["quantized"])
+    shardings = None if mesh is None else param_shardings(config, target, mesh)
+    if check_memory:
+        check_fits(target, shardings, source=path)
+        if meta["quantized"] and quantized == "dequantize":  # the dense weights, beside the FP8 ones while converted
+            dense = abstract_params(config, dtype)
+            check_fits(dense, None if mesh is None else param_shardings(config, dense, mesh), source=path)
     if mesh is not None:
-        from jaxmtp.params import param_shardings
-
-        target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target,
-                              param_shardings(config, target, mesh))
+        target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target, shardings)
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.join(path, "params"), target)
     if meta["quantized"] and quantized == "dequantize":
