@@ -181,6 +181,27 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
+def _to_fit(verdict: str) -> str:
+    """The setting a plan's verdict names ("fits with X=0.90"), or why none does; "" where it fits."""
+    if "; fits with " in verdict:
+        return verdict.split("; ")[1]
+    if ": it needs " in verdict:
+        return "needs " + verdict.split(": it needs ")[1]
+    return ""
+
+
+def _nothing_fits(plans: dict) -> str:
+    """Why `--fit` found no cache for DeepSeek-V3 on one node of 8 H200s, from the plans of that mesh."""
+    node = [f for f in plans.values() if f["config"] == "deepseek_v3_671b" and f["mesh"]["data"] == 8
+            and f["devices"] == 8]
+    limit = next(v["limit_bytes"] for d, v in node[0]["limits"].items() if d.startswith("H200"))
+    params = node[0]["parameter_bytes_per_device"]
+    return (f"The longest cache (and prompt as long) within an H200's default limit on one node of 8, DeepSeek-V3 "
+            f"671B, `data=8` (`--fit`): none. In these CPU plans the parameters take {gb(params)} GB of each "
+            f"device's {gb(limit)} GB, which leaves {gb(limit - params)} GB, less than the temporaries of any plan of "
+            f"that mesh above (at least {gb(min(f['xla_temp_bytes'] for f in node))} GB).")
+
+
 def plans_section() -> str:
     result = load("plans")
     if result is None:
@@ -198,8 +219,8 @@ def plans_section() -> str:
                gb(f["total_bytes_per_device"])]
         if limited:
             fits = ", ".join(d.split(" (")[0] for d, limit in f["limits"].items() if limit["fits"]) or "none listed"
-            settings = "; ".join(f"{d.split(' (')[0]}: {limit['verdict'].split('; ')[1]}"
-                                 for d, limit in f["limits"].items() if "; fits with " in limit["verdict"])
+            settings = "; ".join(f"{d.split(' (')[0]}: {_to_fit(limit['verdict'])}"
+                                 for d, limit in f["limits"].items() if _to_fit(limit["verdict"]))
             rows.append(row + [fits, settings or "-"])
         else:
             rows.append(row + [", ".join(d.split(" (")[0] for d, ok in f["fits"].items() if ok) or "none listed"])
@@ -221,6 +242,8 @@ def plans_section() -> str:
                  "on a GPU, which `jaxmtp plan` now counts.\n\n"
                  + table(["config", "mesh", "batch", "cache", "prompt", "k", "params GB", "caches GB",
                           "temporaries GB", "total GB", "fits the device's memory"], rows))
+    if "fit_h200_v3_one_node" in result["figures"] and not fit:
+        text += "\n\n" + _nothing_fits(plans)
     if fit:
         fit_rows = [[f["batch"], f["cache_len"], gb(f["total_bytes_per_device"])] for f in fit]
         within = (f"within {fit[0]['limit']}" if "limit" in fit[0]

@@ -18,7 +18,6 @@ import re
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -244,11 +243,18 @@ def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_
     return static, (params, inputs)
 
 
-@partial(jax.jit, static_argnums=0)
-def _generation(static: Static, params, inputs: Inputs):
-    """The prefill and every round in one program, as a device holds them for the memory figures."""
-    state = start(static, params, inputs)
-    return advance(static, params, state, inputs, jnp.int32(ALL_STEPS), jnp.zeros_like(inputs.real))[0]
+def _generation_program():
+    """A new jitted program of the prefill and every round, as a device holds them for the memory
+    figures, for one plan. JAX keeps what a jitted function compiled for as long as the function
+    lives (about 1,400 memory mappings per plan of the tiny config on 8 devices), so `fit`'s many
+    compiles with one function reached the kernel's limit on mappings (vm.max_map_count, 65530 by
+    default), where XLA's next compile failed; a function per plan is released with it."""
+
+    def _generation(static: Static, params, inputs: Inputs):
+        state = start(static, params, inputs)
+        return advance(static, params, state, inputs, jnp.int32(ALL_STEPS), jnp.zeros_like(inputs.real))[0]
+
+    return jax.jit(_generation, static_argnums=0)
 
 
 def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, max_len: int, prompt_len: int,
@@ -268,7 +274,7 @@ def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, m
     cache_bytes = layers * rows_per_device * static.cache_len * config.cached_per_token * jnp.dtype(dtype).itemsize
     start = time.perf_counter()
     with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as dump:
-        compiled = _generation.lower(static, *args).compile(compiler_options={"xla_dump_to": dump,
+        compiled = _generation_program().lower(static, *args).compile(compiler_options={"xla_dump_to": dump,
                                                                              "xla_dump_hlo_pass_re": "^$"})
         seconds = time.perf_counter() - start
         temporaries = largest_temporaries(dump)

@@ -309,13 +309,13 @@ def _peak_growth(path, mode):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures the peak RSS with Linux's /proc")
 def test_a_load_onto_a_mesh_never_holds_a_host_copy_of_the_model(tmp_path):
-    """Peak RSS of a process loading 82 MB of float32 weights (routed experts 92% of them) onto
+    """Peak RSS of a process loading 162 MB of float32 weights (routed experts 93% of them) onto
     8 emulated devices with the experts split 8 ways. The devices live in the process, so it must
     hold their blocks (the experts once, the rest 8 times); beyond that it may hold one
     checkpoint file and a margin, which a whole host copy of the model (loaded, then placed)
     exceeds."""
     config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").replace(
-        hidden_size=128, num_attention_heads=8, q_lora_rank=32, moe_intermediate_size=1024, n_routed_experts=16,
+        hidden_size=128, num_attention_heads=8, q_lora_rank=32, moe_intermediate_size=2048, n_routed_experts=16,
         num_hidden_layers=4, num_nextn_predict_layers=0)
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda leaf: rng.standard_normal(leaf.shape, np.float32) * 0.02, abstract_params(config))

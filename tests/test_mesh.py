@@ -1,6 +1,7 @@
 """Sharded models on 8 emulated CPU devices: same numbers and tokens as one device; real shards."""
 
 import collections
+import os
 import warnings
 
 import jax
@@ -275,6 +276,14 @@ def test_plan_compiles_the_auto_loop_and_a_fixed_k_for_an_emulated_mesh_and_coun
            "default): fits (0% of the limit)" in text
 
 
+def _memory_mappings() -> int | None:
+    """This process's memory mappings (Linux), else None."""
+    if not os.path.exists("/proc/self/maps"):
+        return None
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
 def test_plan_fit_finds_contexts_that_fit_the_allocator_limit_and_no_much_longer_one():
     from jaxmtp.plan import AllocatorSettings, Device, Loop, fit, fit_report, memory_limit, plan, total_bytes
 
@@ -284,8 +293,12 @@ def test_plan_fit_finds_contexts_that_fit_the_allocator_limit_and_no_much_longer
     capacity = 0.75 * 80e6
     assert limit.bytes == pytest.approx(capacity)
     # Few devices, one batch and one greedy plain loop (k = 0): compiles are what this test costs.
+    mappings = _memory_mappings()
     results = fit(config, data=2, expert=1, tensor=1, capacity=limit.bytes, k=0, rows=1, loops=[Loop(0)])
     assert [r["batch"] for r in results] == [2]
+    # Each compile's program is released with it: the kernel's limit on a process's memory mappings
+    # (65530 by default) stops a long --fit otherwise.
+    assert mappings is None or _memory_mappings() - mappings < 200
     assert all(total_bytes(r) <= capacity and r["prompt_len"] == r["cache_len"] for r in results)
     assert [loop["total_bytes"] for loop in results[0]["loops"]] == [total_bytes(results[0])]
     text = fit_report(results, limit)
