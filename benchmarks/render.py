@@ -387,12 +387,10 @@ def readme_table() -> str:
         result = load(name)
         if result is None:
             continue
-        p = result["provenance"]
-        tree = f" (the files of `{p['tree_commit'][:7]}`)" if p.get("tree_commit") else ""
-        dirty = {True: ", with uncommitted changes", False: "", None: ", uncommitted changes not recorded"}
-        notes.append(f"{where} at commit `{p['commit'][:7]}`{tree}{dirty[p['uncommitted_changes']]}"
-                     + (", the engine changed since" if engine_changed(p) else "")
-                     + f"; {prompts_label(result, 'prompts')}.")
+        # The commits stay in docs/performance.md's footnotes (measured_at): the README says only
+        # whether the figures are the current engine's.
+        engine = "an older engine" if engine_changed(result["provenance"]) else "the current engine"
+        notes.append(f"{where}: measured with {engine}, {prompts_label(result, 'prompts')}.")
         by_k = {r["k"]: r for r in result["figures"]["rows"]}
         best = max((r for r in by_k.values() if r["k"] != "auto"), key=lambda r: r["speedup"])
         auto = by_k.get("auto")
@@ -400,7 +398,7 @@ def readme_table() -> str:
                      "-" if auto is None else f"{auto['speedup']:.2f}x"])
     text = table(["demo model, batch 1", "plain tokens/s", "best fixed k", "auto"], rows)
     if notes:
-        text += "\n\n" + " ".join(notes)
+        text += "\n\n" + " ".join(notes) + " Each run's commit: [docs/performance.md](docs/performance.md)."
     sparse = load("sparse_attention")
     if sparse is not None:
         longest = max(sparse["figures"], key=lambda r: (r["cached_tokens"], -r["rows"]))

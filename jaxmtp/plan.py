@@ -28,6 +28,7 @@ from jaxmtp.errors import InputError
 from jaxmtp.generation import ALL_STEPS, AUTO_MAX_K, prompt_width
 from jaxmtp.generation_config import DEFAULT_PREFILL_CHUNK
 from jaxmtp.layout import decode_layout
+from jaxmtp.memory import bytes_per_device
 from jaxmtp.params import abstract_params, param_shardings
 from jaxmtp.quant import QuantizedWeight, with_matmul
 from jaxmtp.sampling import SamplingMode, SamplingParams
@@ -209,10 +210,6 @@ def default_loops(config: ModelConfig, k: int, which: str = "both", greedy: bool
     return tuple(dict.fromkeys(loops))
 
 
-def _per_device_bytes(array: jax.ShapeDtypeStruct) -> int:
-    return math.prod(array.sharding.shard_shape(array.shape)) * jnp.dtype(array.dtype).itemsize
-
-
 def abstract_inputs(config: ModelConfig, mesh, batch: int, prompt_len: int, max_len: int, k: int, dtype,
                     matmul: str = "dequant", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, *, auto: bool = False,
                     mode: SamplingMode = SamplingMode()):
@@ -266,7 +263,7 @@ def plan(config: ModelConfig, data: int, expert: int, tensor: int, batch: int, m
     static, args = abstract_inputs(config, mesh, batch, prompt_len, max_len, k, dtype, matmul, prefill_chunk,
                                    auto=auto, mode=mode)
     leaves = jax.tree.leaves(args[0])
-    param_bytes = max(sum(_per_device_bytes(x) for x in leaves if d in x.sharding.device_set) for d in mesh.devices.flat)
+    param_bytes = max(bytes_per_device(leaves, [leaf.sharding for leaf in leaves]).values())
     fp8 = sum(w.value.size for w in jax.tree.leaves(args[0], is_leaf=lambda v: isinstance(v, QuantizedWeight))
               if isinstance(w, QuantizedWeight))
     layers = config.num_hidden_layers + config.num_nextn_predict_layers

@@ -78,6 +78,9 @@ def test_a_setting_jax_would_refuse_is_refused_naming_it(env, capsys, settings, 
         allocator_settings()
     # The command line says so in one line, before compiling anything.
     env.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # plan appends to it
+    # plan emulates its mesh's device count where the backend has not started yet; started here, it
+    # keeps the suite's 8 devices for the tests that run after this one in this process.
+    jax.devices()
     with pytest.raises(SystemExit):
         main(["plan", "--config", "tiny", "--mesh", "data=1"])
     err = capsys.readouterr().err.strip().splitlines()
