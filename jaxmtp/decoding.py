@@ -30,7 +30,7 @@ from jaxmtp.generation_config import DEFAULT_PREFILL_CHUNK
 from jaxmtp.layout import Layout
 from jaxmtp.params import module
 from jaxmtp.quant import is_quantized
-from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities
+from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities, split
 from jaxmtp.sharding import context_mesh
 from jaxmtp.speculative import verify_greedy, verify_sampled
 from jaxmtp.transformer import DeepseekV3
@@ -251,8 +251,10 @@ def _row_gather(x, index):
 def _stopping(seq, n, count, width, stops):
     """Which of a round's `width` new tokens (at positions n+1..n+width of seq [B, W], already
     written there) complete a stop sequence -> [B, width] bool. A match lies wholly within the
-    generated tokens (those from position n - count + 1 on); stops [N, L] as in `Inputs`."""
-    length = stops.shape[1]
+    generated tokens (those from position n - count + 1 on); stops [N, L] as in `Inputs`, or one
+    table per row [B, N, L]."""
+    length = stops.shape[-1]
+    stops = stops if stops.ndim == 2 else stops[:, None]  # [B, 1, N, L] against each row's windows
     ends = n[:, None] + 1 + jnp.arange(width)  # [B, T]
     at = ends[..., None] - (length - 1) + jnp.arange(length)  # [B, T, L]: each match window
     window = _rows_at(seq, jnp.maximum(at, 0).reshape(seq.shape[0], -1)).reshape(at.shape)
@@ -308,7 +310,7 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
     chunk = min(static.prefill_chunk, width)
     if width % chunk:
         raise InputError(f"prompt width {width} is not a multiple of the prefill chunk {chunk}")
-    key, token_key, draft_key = jax.random.split(inputs.key, 3)
+    key, token_key, draft_key = split(inputs.key, 3)
     dtype, c, zeros = static.dtype, static.config, jnp.zeros_like(lengths)
     drafts = None
     if static.k:
@@ -407,7 +409,7 @@ def _draft_rest(static, k, params, n, drafts: Drafts, sampling, key):
     Returns (drafts [B, k], their distributions [B, k, V] or None, MTP cache)."""
     token, hidden, cache = drafts.token, drafts.hidden, drafts.cache
     tokens, probs = [token], [drafts.probs]
-    for j, step_key in enumerate(jax.random.split(key, k - 1)):
+    for j, step_key in enumerate(split(key, k - 1)):
         position = n + j  # d_{j+2} comes from MTP slot n + j
         logits, z, cache = mtp_step(static, params, hidden[:, None], token[:, None], position[:, None], cache,
                                     absorbed=True)
@@ -423,7 +425,7 @@ def decode_round(static: Static, k: int, params, state: DecodeState, inputs: Inp
     commit, repair. A round at k = 0 leaves the MTP state as it is."""
     t, batch, sampling = state.tokens, state.tokens.n.shape[0], inputs.sampling
     params = _unhoisted(static, params, state.stats.steps)
-    key, draft_key, verify_key, next_key = jax.random.split(state.key, 4)
+    key, draft_key, verify_key, next_key = split(state.key, 4)
     t_n = _row_gather(t.seq, t.n)
     if k:
         drafts, draft_probs, mtp_cache = _draft_rest(static, k, params, t.n, state.drafts, sampling, draft_key)
@@ -487,7 +489,7 @@ def _rounds(static: Static, params, state: DecodeState, inputs: Inputs) -> Decod
     k = jnp.where(inputs.force_k >= 0, inputs.force_k, k)
 
     def refill(state):  # the segment before may have run at k = 0
-        key, draft_key = jax.random.split(state.key)
+        key, draft_key = split(state.key, 2)
         return state.replace(key=key, drafts=refill_drafts(static, params, state, inputs.sampling, draft_key))
 
     # A conditional, not a loop run once: XLA would hoist the pass's projections out of such a loop

@@ -1,0 +1,738 @@
+"""`Engine`: continuous batching with MTP speculation, on one thread of its own.
+
+Made once from a loaded model, an engine compiles its programs and measures what a round costs at
+each k for each batch bucket (`start`); later calls only run them. Requests wait in a queue, are
+admitted into free slots (the lowest first, so that the live rows stay in a small bucket), and are
+prefilled a chunk at a time between decode segments, so that a long prompt delays the running
+requests by a chunk per segment rather than by its whole prefill. Each segment runs a bounded
+number of rounds on the live rows at one k, and returns early when a row finishes while requests
+wait for a slot.
+
+k is chosen per segment (`Chooser`): the expected tokens per round of every live row at each k
+(from its own acceptance by draft position, with the engine's pooled acceptance as its prior) over
+the measured cost of a round at that k for the bucket that runs. A new k replaces the last only
+when it pays at least `hysteresis` more, so that k does not flip at a boundary. Every round is
+an exact verification whatever its k: greedy rows equal their plain greedy decoding, sampled rows
+follow the model's distribution (jaxmtp.speculative).
+
+Prefix reuse: after a prompt's prefill its whole chunks of cache entries are copied into a store
+keyed by the tokens they depend on (the chunk's tokens and everything before, and the token after
+it, which the MTP layer's entry at the chunk's last position reads); a later prompt that starts
+with the same tokens copies them back instead of running them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp import adaptive, checks, streaming
+from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, Inputs, Static
+from jaxmtp.engine import programs
+from jaxmtp.engine.requests import Event, Handle, NotAdmitting, QueueFull, Request
+from jaxmtp.errors import InputError
+from jaxmtp.generation import MAX_SPECULATIVE_K, auto_max_k
+from jaxmtp.model import Model
+from jaxmtp.sampling import SamplingParams
+
+TIMED_REPEATS = 3  # timed segments per (mode, bucket, k) at start
+# A segment runs up to this many times segment_rounds rounds while a prompt is being prefilled, so
+# that each prefill chunk between two segments costs the running requests at most about as much
+# time again as the segment's own rounds (their inter-token latency at most doubles).
+PREFILL_SPREAD = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """slots: rows decoded at once. max_len: prompt plus new tokens of a request, at most.
+    speculative_k: "auto" (chosen per segment from costs and acceptance, up to auto_max_k) or a
+    fixed k (0 = plain decoding). prefill_chunk: prompt positions prefilled per step between
+    segments, and the prefix store's block. segment_rounds: rounds per segment, at most.
+    buckets: the batch sizes compiled (default powers of two up to slots). prefix_blocks: chunks
+    the prefix store holds (0: no reuse). max_queue: requests waiting, at most (more are refused
+    with QueueFull). sampling: compile the sampling programs (else only greedy requests are taken).
+    stop_sequences, stop_length: the per-request stop table (EOS ids included). hysteresis: how
+    much more a new k must pay to replace the last."""
+
+    slots: int = 16
+    max_len: int = 1024
+    speculative_k: int | str = "auto"
+    prefill_chunk: int = 128
+    segment_rounds: int = 8
+    buckets: tuple[int, ...] | None = None
+    prefix_blocks: int = 64
+    max_queue: int = 256
+    sampling: bool = True
+    stop_sequences: int = 8
+    stop_length: int = 8
+    hysteresis: float = 0.05
+
+    def bucket_sizes(self) -> tuple[int, ...]:
+        if self.buckets is not None:
+            return tuple(sorted(set(self.buckets)))
+        sizes = [1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots]
+        return tuple(sizes + [self.slots])
+
+
+def _check_config(c: EngineConfig, model: Model) -> EngineConfig:
+    checks.whole("slots", c.slots, minimum=1)
+    checks.whole("max_len", c.max_len, minimum=2, maximum=model.config.max_position_embeddings)
+    checks.whole("prefill_chunk", c.prefill_chunk, minimum=16)
+    if c.prefill_chunk % 16:
+        raise InputError(f"prefill_chunk: expected a multiple of 16, found {c.prefill_chunk}")
+    checks.whole("segment_rounds", c.segment_rounds, minimum=1)
+    checks.whole("prefix_blocks", c.prefix_blocks, minimum=0)
+    checks.whole("max_queue", c.max_queue, minimum=0)
+    checks.whole("stop_sequences", c.stop_sequences, minimum=1)
+    checks.whole("stop_length", c.stop_length, minimum=1)
+    k = c.speculative_k
+    if k != "auto":
+        if isinstance(k, str):
+            raise InputError(f'speculative_k: expected "auto" or an integer 0..{MAX_SPECULATIVE_K}, found {k!r}')
+        checks.whole("speculative_k", k, minimum=0, maximum=MAX_SPECULATIVE_K)
+        if k and not model.config.has_mtp:
+            raise InputError("speculative_k > 0 needs an MTP module; this model has num_nextn_predict_layers = 0")
+    buckets = c.bucket_sizes()
+    if not buckets or buckets[-1] != c.slots or buckets[0] < 1:
+        raise InputError(f"buckets: expected batch sizes 1..slots ending at slots = {c.slots}, found {list(buckets)}")
+    return c
+
+
+class Chooser:
+    """The k of each segment: argmax over k of (expected tokens per round, summed over the live
+    rows) / (seconds per round at k for the bucket), kept unless a new k pays `hysteresis` more.
+
+    Acceptance per draft position is counted per slot (reset when a request takes the slot) and
+    for the engine (pooled over every request since start); a slot's posterior takes the pooled
+    estimate as its prior (adaptive.PRIOR_ROUNDS rounds' weight), so that what the engine has
+    learned carries over to new requests and to the next segment instead of restarting from the
+    fixed prior. Counts decay by adaptive.DECAY per round drafted; rounds at k = 0 measure
+    nothing and decay the pooled counts by adaptive.IDLE_DECAY, so that drafting is tried again
+    after a while where it once did not pay."""
+
+    def __init__(self, k_max: int, slots: int, hysteresis: float):
+        self.k_max, self.hysteresis = k_max, hysteresis
+        self.tried = np.zeros((slots, k_max))
+        self.accepted = np.zeros((slots, k_max))
+        self.pooled_tried = np.zeros(k_max)
+        self.pooled_accepted = np.zeros(k_max)
+        self.k = None
+
+    def reset(self, slot: int):
+        self.tried[slot] = self.accepted[slot] = 0
+
+    def pooled(self) -> np.ndarray:
+        """The engine's conditional acceptance by draft position [k_max] (the fixed prior blended in)."""
+        prior = adaptive.PRIOR_ACCEPTANCE * adaptive.PRIOR_ROUNDS
+        return (self.pooled_accepted + prior) / (self.pooled_tried + adaptive.PRIOR_ROUNDS)
+
+    def expected(self, rows: Sequence[int]) -> np.ndarray:
+        """Expected tokens per round at k = 0..k_max, summed over `rows` [k_max + 1]."""
+        prior = self.pooled() * adaptive.PRIOR_ROUNDS
+        rows = list(rows)
+        conditional = (self.accepted[rows] + prior) / (self.tried[rows] + adaptive.PRIOR_ROUNDS)  # [r, k_max]
+        reach = np.cumprod(conditional, axis=1)
+        return (1.0 + np.concatenate([np.zeros((len(rows), 1)), np.cumsum(reach, axis=1)], axis=1)).sum(axis=0)
+
+    def choose(self, rows: Sequence[int], seconds: np.ndarray) -> int:
+        """The k for a segment of `rows` at these seconds per round [k_max + 1]."""
+        rate = self.expected(rows) / seconds
+        best = int(np.argmax(rate))
+        if self.k is None or self.k > self.k_max or rate[best] > rate[self.k] * (1 + self.hysteresis):
+            self.k = best
+        return self.k
+
+    def record(self, slot: int, k: int, rounds: int, accepted_at: np.ndarray):
+        """A slot's segment: `rounds` rounds at k, accepted_at [k_max] the rounds in which draft i
+        was accepted."""
+        if not k or not rounds:
+            return
+        tried = np.zeros(self.k_max)
+        tried[0] = rounds
+        tried[1:k] = accepted_at[:k - 1]
+        hit = np.zeros(self.k_max)
+        hit[:k] = accepted_at[:k]
+        decay = adaptive.DECAY ** rounds
+        self.tried[slot] = decay * self.tried[slot] + tried
+        self.accepted[slot] = decay * self.accepted[slot] + hit
+        self.pooled_tried = decay * self.pooled_tried + tried
+        self.pooled_accepted = decay * self.pooled_accepted + hit
+
+    def idle(self, rounds: int):
+        decay = adaptive.IDLE_DECAY ** rounds
+        self.pooled_tried *= decay
+        self.pooled_accepted *= decay
+
+
+@dataclasses.dataclass
+class _Running:
+    """A request in a slot: what has been delivered, its counts as last read, its stop strings."""
+
+    handle: Handle
+    prompt_len: int
+    greedy: bool
+    delivered: int = 0
+    rounds: int = 0
+    accepted_at: np.ndarray | None = None
+    receiver: streaming.Receiver | None = None
+    cached: int = 0
+
+
+@dataclasses.dataclass
+class _Staged:
+    """The request being prefilled: its slot, the next chunk's start, its last prompt position."""
+
+    handle: Handle
+    slot: int
+    start: int
+    last: int
+    cached: int
+
+
+class PrefixStore:
+    """Host index of the prefix store: chunk keys -> store entries, least recently used evicted.
+    A chunk's key digests every prompt token up to and including the first after the chunk."""
+
+    def __init__(self, entries: int, block: int):
+        self.entries, self.block = entries, block
+        self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.free = list(range(entries))
+
+    def keys(self, prompt: Sequence[int], blocks: int) -> list[bytes]:
+        tokens = np.asarray(prompt, np.int32)
+        return [hashlib.sha256(tokens[:(j + 1) * self.block + 1].tobytes()).digest() for j in range(blocks)]
+
+    def match(self, prompt: Sequence[int], most: int) -> list[int]:
+        """The store entries of the prompt's leading chunks, at most `most` of them."""
+        found = []
+        for key in self.keys(prompt, most):
+            entry = self.index.get(key)
+            if entry is None:
+                break
+            self.index.move_to_end(key)
+            found.append(entry)
+        return found
+
+    def place(self, prompt: Sequence[int], blocks: int) -> tuple[list[int], list[int]]:
+        """Entries for the prompt's first `blocks` chunks that are not stored yet -> (chunk numbers,
+        entries); evicts the least recently used."""
+        chunks, entries = [], []
+        for j, key in enumerate(self.keys(prompt, blocks)):
+            if key in self.index:
+                self.index.move_to_end(key)
+                continue
+            if not self.free:
+                if not self.index:
+                    break
+                self.free.append(self.index.popitem(last=False)[1])
+            entry = self.free.pop()
+            self.index[key] = entry
+            chunks.append(j)
+            entries.append(entry)
+        return chunks, entries
+
+
+class Engine:
+    """Continuous batching with MTP speculation for one model (see the module's docstring).
+
+    engine = Engine(model, tokenizer=tok, slots=16, max_len=1024); engine.start() compiles and
+    calibrates, then decodes on a thread of its own. submit(request, on_event) queues a request;
+    generate(prompts, ...) submits several and waits for them. shutdown() stops it."""
+
+    def __init__(self, model: Model, *, tokenizer=None, eos_token_id=None, progress: Callable[[str], None] | None = None,
+                 config: EngineConfig | None = None, **options):
+        config = dataclasses.replace(config or EngineConfig(), **options)
+        self.config = _check_config(config, model)
+        self.model = model.decoding()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = checks.eos_ids(eos_token_id, model.config.vocab_size)
+        self._progress = progress or (lambda message: None)
+        c = self.config
+        k = c.speculative_k
+        self.k_max = (auto_max_k(self.model) if model.config.has_mtp else 0) if k == "auto" else int(k)
+        self.auto = k == "auto" and self.k_max > 0
+        chunk = c.prefill_chunk
+        cache_len = -(-(c.max_len + self.k_max + 1) // chunk) * chunk
+        self.static = Static(model.config, self.model.dtype, self.k_max, programs.MIXED, cache_len, self.model.layout,
+                             auto=True, logprobs=True, prefill_chunk=chunk)
+        self.buckets = c.bucket_sizes()
+        self.max_rounds = c.segment_rounds * PREFILL_SPREAD
+        self.window = self.max_rounds * (self.k_max + 1) + 1
+        self.chunk_seconds = 0.0  # a prefill chunk's time, measured at start
+        self._forced: int | None = None
+        self.max_len, self.slots = c.max_len, c.slots
+        self.costs: dict[str, dict[int, np.ndarray]] = {}  # mode -> bucket -> seconds per round at k
+        self._chooser = Chooser(max(self.k_max, 1), c.slots, c.hysteresis)
+        self._prefix = PrefixStore(c.prefix_blocks, chunk) if c.prefix_blocks else None
+        self._lock = threading.Condition()
+        self._inbox: collections.deque[Handle] = collections.deque()
+        self._waiting: collections.deque[Handle] = collections.deque()
+        self._running: list[_Running | None] = [None] * c.slots
+        self._staged: _Staged | None = None
+        self._admitting = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+        self._segment_k = 0
+        self.counters = {"prompt_tokens_total": 0, "cached_prompt_tokens_total": 0, "generation_tokens_total": 0,
+                         "drafted_total": 0, "accepted_total": 0, "segments_total": 0}
+        self.rounds_by_k = collections.Counter()
+        self.finished = collections.Counter()
+
+    # ----- setting up -----
+
+    def start(self) -> "Engine":
+        """Compiles every program, measures a round's cost at each k for each bucket, then starts
+        decoding on the engine's thread. -> self."""
+        if self._thread is not None:
+            raise InputError("start: this engine has started already")
+        with self.model.mesh_context():
+            self._fresh()
+            self._calibrate()
+            self._fresh()
+        self._admitting = True
+        self._thread = threading.Thread(target=self._run, name="jaxmtp-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def _fresh(self):
+        """Every slot free, an empty staging state and prefix store."""
+        c, static = self.config, self.static
+        self._state = programs.empty_slots(static, c.slots)
+        zeros = np.zeros((c.slots,), np.float32)
+        sampling = SamplingParams(zeros + 1, np.ones((c.slots,), np.int32), zeros + 1, np.ones((c.slots,), bool))
+        self._params = programs.SlotParams(limits=np.ones((c.slots,), np.int32),
+                                           stops=np.full((c.slots, c.stop_sequences, c.stop_length), NEVER, np.int32),
+                                           sampling=sampling)
+        self._params = jax.tree.map(jnp.asarray, self._params)
+        self._staging = programs.empty_staging(static, (c.stop_sequences, c.stop_length))
+        self._pool = None
+        if self._prefix is not None:
+            entries, block = c.prefix_blocks, c.prefill_chunk
+
+            def pool(leaf):
+                return jnp.zeros(leaf.shape[:-3] + (entries, block, leaf.shape[-1]), leaf.dtype)
+
+            self._pool = jax.tree.map(pool, self._cached(self._staging))
+            self._prefix = PrefixStore(entries, block)
+
+    def _cached(self, staging: programs.Staging) -> dict:
+        """The staging state's caches that the prefix store copies: the main stacks' and the MTP layer's."""
+        carry = staging.carry
+        return {"main": carry.caches, "mtp": None if carry.drafts is None else carry.drafts.cache}
+
+    def modes(self) -> tuple[str, ...]:
+        return ("greedy", "mixed") if self.config.sampling else ("greedy",)
+
+    def _static(self, mode: str) -> Static:
+        return self.static if mode == "mixed" else dataclasses.replace(self.static, mode=programs.GREEDY)
+
+    def _calibrate(self):
+        """Runs a staged request through every program (compiling them), then times segments of
+        every bucket's rows at each k (modes and buckets interleaved, TIMED_REPEATS each; the median)."""
+        self._progress(f"compiling the serving programs ({len(self.modes())} modes x {len(self.buckets)} batch buckets, "
+                       f"k = 0..{self.k_max})")
+        began = time.perf_counter()
+        request = Request(prompt=(0,) * min(self.config.prefill_chunk + 1, self.max_len - 1), max_tokens=1)
+        handle = Handle(request, lambda event: None, -1)
+        self._begin(_Staged(handle, 0, 0, len(request.prompt) - 1, 0))
+        while self._staged is not None:
+            self._stage_step()
+        chunk_times = []
+        for _ in range(TIMED_REPEATS):
+            jax.block_until_ready(self._staging)
+            began_chunk = time.perf_counter()
+            self._staging = jax.block_until_ready(programs.stage_chunk(
+                self.static, self.config.prefill_chunk, self.model.params, self._staging, jnp.int32(0)))
+            chunk_times.append(time.perf_counter() - began_chunk)
+        self.chunk_seconds = statistics.median(chunk_times)
+        position = min(self.max_len // 4, 256)
+        ks = range(self.k_max + 1)
+        times = {(m, b, k): [] for m in self.modes() for b in self.buckets for k in ks}
+        for repeat in range(TIMED_REPEATS + 1):
+            if repeat == 1:
+                self._progress(f"compiled in {time.perf_counter() - began:.1f} s; measuring a round's cost at each k "
+                               "for each batch bucket")
+            for (mode, bucket, k), seconds in times.items():
+                rows = np.arange(self.slots) < bucket
+                self._state, self._params = jax.block_until_ready(programs.occupy(
+                    self.static, self._state, self._params, rows, jnp.int32(position)))
+                began_segment = time.perf_counter()
+                out = self._segment_call(mode, bucket, k, refill=False, early=False, halt=~rows)
+                jax.block_until_ready(out)
+                if repeat:  # the first pass compiles
+                    seconds.append((time.perf_counter() - began_segment) / self.config.segment_rounds)
+        for mode in self.modes():
+            self.costs[mode] = {b: np.array([statistics.median(times[mode, b, k]) for k in ks]) for b in self.buckets}
+        self._progress(f"a prefill chunk of {self.config.prefill_chunk} positions: {1e3 * self.chunk_seconds:.2f} ms; "
+                       "round costs (ms per round at k = 0..): " + "; ".join(
+            f"{m} batch {b}: " + " ".join(f"{1e3 * s:.2f}" for s in self.costs[m][b]) for m in self.modes()
+            for b in self.buckets))
+
+    # ----- requests -----
+
+    def check(self, request: Request) -> Request:
+        """Refuses a request the engine cannot serve, naming the field; -> the request."""
+        if not isinstance(request, Request):
+            raise InputError(f"request: expected a jaxmtp.engine.Request, found {type(request).__name__}")
+        vocab = self.model.config.vocab_size
+        prompt = request.prompt
+        if not len(prompt):
+            raise InputError("prompt: empty; a request needs at least one prompt token")
+        checks.token_ids("prompt", [list(prompt)], vocab)
+        max_tokens = checks.whole("max_tokens", request.max_tokens, minimum=1)
+        if len(prompt) + max_tokens > self.max_len:
+            raise InputError(f"max_tokens: the prompt's {len(prompt)} tokens plus max_tokens = {max_tokens} exceed "
+                             f"this server's context of {self.max_len} tokens")
+        checks.real("temperature", request.temperature, minimum=0)
+        checks.real("top_p", request.top_p, minimum=0, maximum=1, above_minimum=True)
+        checks.whole("top_k", request.top_k, minimum=0)
+        if request.seed is not None:
+            checks.whole("seed", request.seed)
+        if request.temperature > 0 and not self.config.sampling:
+            raise InputError("temperature: this engine decodes greedily only (started without sampling); use 0")
+        if request.stop and self.tokenizer is None:
+            raise InputError("stop: stop strings need the model's tokenizer, which this engine was not given")
+        checks.stop_strings(request.stop)
+        self._stop_table(request)
+        return request
+
+    def _stop_table(self, request: Request) -> np.ndarray:
+        """The request's stop table [N, L]: its EOS ids (unless ignore_eos) and stop_token_ids."""
+        c = self.config
+        sequences = checks.stop_sequences(list(map(list, request.stop_token_ids)), self.model.config.vocab_size)
+        if not request.ignore_eos:
+            sequences = tuple((i,) for i in self.eos_token_ids) + sequences
+        if len(sequences) > c.stop_sequences:
+            raise InputError(f"stop_token_ids: {len(sequences)} stop sequences (EOS ids included) exceed the "
+                             f"{c.stop_sequences} this engine takes")
+        if any(len(s) > c.stop_length for s in sequences):
+            raise InputError(f"stop_token_ids: a sequence longer than the {c.stop_length} tokens this engine takes")
+        table = np.full((c.stop_sequences, c.stop_length), NEVER, np.int32)
+        for row, s in zip(table, sequences):
+            row[:] = ANY
+            row[c.stop_length - len(s):] = s
+        return table
+
+    def submit(self, request: Request, on_event: Callable[[Event], None]) -> Handle:
+        """Queues a request (checked first); its events go to on_event, called on the engine's thread."""
+        self.check(request)
+        with self._lock:
+            if not self._admitting:
+                raise NotAdmitting("the engine is not taking requests (not started, or shutting down)")
+            if len(self._inbox) + len(self._waiting) >= self.config.max_queue:
+                raise QueueFull(f"{len(self._inbox) + len(self._waiting)} requests are waiting, the most this engine "
+                                "queues", retry_after=1.0)
+            handle = Handle(request, on_event, next(self._ids))
+            self._inbox.append(handle)
+            self._lock.notify()
+        return handle
+
+    def generate(self, prompts, *, timeout: float | None = None, **fields) -> list[list[int]]:
+        """Submits each prompt (token ids) as a Request with these fields and waits for all ->
+        each prompt's new tokens. A request that ends in an error raises it."""
+        done = threading.Semaphore(0)
+        results = [[] for _ in prompts]
+        errors = []
+
+        def listener(i):
+            def on_event(event: Event):
+                results[i].extend(event.tokens)
+                if event.finish_reason is not None:
+                    if event.error:
+                        errors.append(f"prompt {i}: {event.error}")
+                    done.release()
+            return on_event
+
+        for i, p in enumerate(prompts):
+            self.submit(Request(prompt=tuple(int(t) for t in p), **fields), listener(i))
+        for _ in prompts:
+            if not done.acquire(timeout=timeout):
+                raise TimeoutError("generate: requests still running after the timeout")
+        if errors:
+            raise InputError("; ".join(errors))
+        return results
+
+    def force_k(self, k: int | None):
+        """Every segment at this k (0..the engine's largest) instead of the chooser's, or None to
+        choose again: for measuring fixed k on the same compiled programs."""
+        if k is not None:
+            checks.whole("k", k, minimum=0, maximum=self.k_max)
+        self._forced = k
+
+    def stop_admitting(self):
+        with self._lock:
+            self._admitting = False
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return not (self._inbox or self._waiting or self._staged or any(self._running))
+
+    def shutdown(self, timeout: float = 30.0):
+        """Stops admitting, lets what runs finish for up to `timeout` seconds, cancels the rest and
+        stops the engine's thread."""
+        self.stop_admitting()
+        deadline = time.monotonic() + timeout
+        while not self.idle and time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
+            time.sleep(0.01)
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def snapshot(self) -> dict:
+        """Counts for metrics: queue, slots, token and draft totals, rounds by k, finished by reason."""
+        with self._lock:
+            waiting = len(self._inbox) + len(self._waiting)
+        running = sum(r is not None for r in self._running)
+        return {"waiting": waiting, "running": running, "prefilling": int(self._staged is not None),
+                "slots": self.slots, "max_queue": self.config.max_queue, **self.counters,
+                "rounds_by_k": dict(self.rounds_by_k), "current_k": self._segment_k,
+                "requests_finished": dict(self.finished)}
+
+    # ----- the engine's thread -----
+
+    def _run(self):
+        with self.model.mesh_context():
+            while True:
+                with self._lock:
+                    while not self._stop and not (self._inbox or self._waiting or self._staged or any(self._running)):
+                        self._lock.wait(0.5)
+                    if self._stop:
+                        break
+                    self._waiting.extend(self._inbox)
+                    self._inbox.clear()
+                try:
+                    self._step()
+                except Exception as error:  # a bug: end every request with it rather than hang them
+                    self._fail_all(f"{type(error).__name__}: {error}")
+                    raise
+            self._fail_all(None)
+
+    def _step(self):
+        """One pass: cancellations, admission, a prefill chunk, a decode segment."""
+        self._drop_cancelled()
+        if self._staged is None:
+            self._admit()
+        if self._staged is not None:
+            self._stage_step()
+        if any(self._running):
+            self._decode()
+
+    def _emit(self, handle: Handle, event: Event):
+        try:
+            handle.on_event(event)
+        except Exception as error:  # a listener's failure ends its own request only
+            print(f"jaxmtp engine: request {handle.id}'s listener failed ({type(error).__name__}: {error}); "
+                  "cancelling it", file=sys.stderr)
+            handle.cancel()
+
+    def _finish(self, handle: Handle, reason: str, prompt_tokens: int, completion: int, cached: int = 0,
+                error: str | None = None):
+        self.finished[reason] += 1
+        self._emit(handle, Event(finish_reason=reason, error=error, prompt_tokens=prompt_tokens,
+                                 completion_tokens=completion, cached_tokens=cached))
+
+    def _fail_all(self, error: str | None):
+        """Ends every request: with an error (a failure), or as cancelled (shutdown)."""
+        reason = "error" if error else "cancelled"
+        with self._lock:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for handle in waiting:
+            self._finish(handle, reason, len(handle.request.prompt), 0, error=error)
+        if self._staged is not None:
+            h = self._staged.handle
+            self._staged = None
+            self._finish(h, reason, len(h.request.prompt), 0, error=error)
+        for slot, running in enumerate(self._running):
+            if running is not None:
+                self._running[slot] = None
+                self._finish(running.handle, reason, running.prompt_len, running.delivered, running.cached, error)
+
+    def _drop_cancelled(self):
+        with self._lock:
+            cancelled = [h for h in self._waiting if h.cancelled]
+            self._waiting = collections.deque(h for h in self._waiting if not h.cancelled)
+        for handle in cancelled:
+            self._finish(handle, "cancelled", len(handle.request.prompt), 0)
+        if self._staged is not None and self._staged.handle.cancelled:
+            h = self._staged.handle
+            self._staged = None
+            self._finish(h, "cancelled", len(h.request.prompt), 0)
+        for slot, running in enumerate(self._running):
+            if running is not None and running.handle.cancelled:
+                self._release(slot, "cancelled")
+
+    def _release(self, slot: int, reason: str):
+        running = self._running[slot]
+        self._running[slot] = None
+        self._finish(running.handle, reason, running.prompt_len, running.delivered, running.cached)
+
+    def _admit(self):
+        with self._lock:
+            if not self._waiting:
+                return
+            free = [s for s, r in enumerate(self._running) if r is None]
+            if not free:
+                return
+            handle = self._waiting.popleft()
+        prompt = handle.request.prompt
+        self._begin(_Staged(handle, free[0], 0, len(prompt) - 1, 0))
+
+    def _begin(self, staged: _Staged):
+        """Puts a request into the staging state, with its prefix's chunks copied from the store."""
+        request, chunk, c = staged.handle.request, self.config.prefill_chunk, self.config
+        prompt = np.asarray(request.prompt, np.int32)
+        seq = np.zeros((1, self.static.cache_len + self.k_max + 1), np.int32)
+        seq[0, :len(prompt)] = prompt
+        seed = request.seed if request.seed is not None else int(self._seeds.integers(2**31))
+        greedy = request.temperature == 0
+        vocab = self.model.config.vocab_size
+        sampling = SamplingParams(np.float32([request.temperature if not greedy else 1.0]),
+                                  np.int32([request.top_k if 0 < request.top_k < vocab else vocab]),
+                                  np.float32([request.top_p]), np.array([greedy]))
+        inputs = Inputs(prompt=None, lengths=np.int32([len(prompt)]), limits=np.int32([request.max_tokens]),
+                        real=np.ones((1,), bool), stops=self._stop_table(request)[None], sampling=sampling,
+                        key=jax.random.key(seed), costs=None, force_k=None)
+        self._staging = programs.stage_begin(self.static, self._staging, seq, jax.tree.map(jnp.asarray, inputs))
+        if self._prefix is not None and staged.handle.id >= 0:
+            # Leave at least AUTO_SEGMENT positions to prefill: auto's window of main hidden states
+            # comes from the prefill.
+            most = max(0, (len(prompt) - AUTO_SEGMENT) // chunk)
+            entries = self._prefix.match(request.prompt, most)
+            if entries:
+                blocks = self.static.cache_len // chunk
+                ids = np.full((blocks,), 0, np.int32)
+                ids[:len(entries)] = entries
+                cached = programs.load_blocks(self._cached(self._staging), self._pool, jnp.asarray(ids),
+                                              jnp.int32(len(entries)))
+                carry = self._staging.carry
+                drafts = None if carry.drafts is None else carry.drafts.replace(cache=cached["mtp"])
+                self._staging = self._staging.replace(carry=carry.replace(caches=cached["main"], drafts=drafts))
+                staged.start = staged.cached = len(entries) * chunk
+        self._staged = staged
+
+    def _stage_step(self):
+        """One prefill chunk of the staged request; after its last, the request takes its slot."""
+        staged, chunk = self._staged, self.config.prefill_chunk
+        self._staging = programs.stage_chunk(self.static, chunk, self.model.params, self._staging,
+                                             jnp.int32(staged.start))
+        staged.start += chunk
+        if staged.start <= staged.last:
+            return
+        self._staged = None
+        self._state, self._params, first = programs.insert(self.static, self._state, self._params, self._staging,
+                                                           jnp.int32(staged.slot))
+        if staged.handle.id < 0:  # calibration's request
+            return
+        self._store_prefix(staged)
+        token, logprob, done = (x.item() for x in jax.device_get(first))
+        request = staged.handle.request
+        self.counters["prompt_tokens_total"] += len(request.prompt)
+        self.counters["cached_prompt_tokens_total"] += staged.cached
+        receiver = streaming.Receiver(1, self.tokenizer, request.stop) if request.stop else None
+        running = _Running(staged.handle, len(request.prompt), request.temperature == 0,
+                           accepted_at=np.zeros(self.k_max, np.int64), receiver=receiver, cached=staged.cached)
+        self._running[staged.slot] = running
+        self._chooser.reset(staged.slot)
+        self._deliver(staged.slot, [token], [logprob], done)
+
+    def _store_prefix(self, staged: _Staged):
+        if self._prefix is None:
+            return
+        request, chunk = staged.handle.request, self.config.prefill_chunk
+        blocks = (len(request.prompt) - 1) // chunk  # whole chunks followed by a prompt token
+        chunks, entries = self._prefix.place(request.prompt, blocks)
+        if not chunks:
+            return
+        self._pool = programs.store_blocks(self._pool, self._cached(self._staging), jnp.asarray(chunks, jnp.int32),
+                                           jnp.asarray(entries, jnp.int32))
+
+    def _deliver(self, slot: int, tokens: list[int], logprobs: list[float], done: bool):
+        """New tokens of a slot's request to its listener; a finished request frees its slot."""
+        running = self._running[slot]
+        request = running.handle.request
+        if running.receiver is not None and tokens:
+            kept = running.receiver.receive(np.asarray([running.receiver.tokens[0] + tokens]), np.zeros(1, np.int64),
+                                            np.asarray([len(running.receiver.tokens[0]) + len(tokens)]))[0]
+            if running.receiver.stopped[0]:
+                tokens, logprobs, done = kept, logprobs[:len(kept)], True
+        running.delivered += len(tokens)
+        self.counters["generation_tokens_total"] += len(tokens)
+        if tokens:
+            self._emit(running.handle, Event(tokens=tuple(tokens), logprobs=tuple(logprobs) if request.logprobs else None,
+                                             prompt_tokens=running.prompt_len, completion_tokens=running.delivered,
+                                             cached_tokens=running.cached))
+        if done:
+            reason = "length" if running.delivered >= request.max_tokens else "stop"
+            self._release(slot, reason)
+
+    def _decode(self):
+        """One segment on the live slots' bucket, at the chosen k; its tokens delivered."""
+        live = [s for s, r in enumerate(self._running) if r is not None]
+        bucket = next(b for b in self.buckets if b > live[-1])
+        mode = "greedy" if all(self._running[s].greedy for s in live) else "mixed"
+        if not self.config.sampling:
+            mode = "greedy"
+        if self._forced is not None:
+            k = self._forced
+        elif self.auto:
+            k = self._chooser.choose(live, self.costs[mode][bucket])
+        else:
+            k = self.k_max
+        refill = self.k_max > 0 and k > 0 and self._segment_k == 0
+        with self._lock:
+            early = bool(self._waiting or self._inbox) and len(live) == self.slots
+        halt = np.array([r is None for r in self._running])
+        rounds = self.config.segment_rounds
+        if self._staged is not None and self.costs:  # a prompt is being prefilled between segments
+            rounds = int(np.clip(np.ceil(self.chunk_seconds / self.costs[mode][bucket][k]), rounds, self.max_rounds))
+        report = jax.device_get(self._segment_call(mode, bucket, k, refill=refill, early=early, halt=halt,
+                                                   rounds=rounds))
+        self._segment_k = k
+        self.counters["segments_total"] += 1
+        batch_rounds = 0
+        for slot in live:
+            running = self._running[slot]
+            if running is None:
+                continue
+            rounds = int(report.rounds[slot]) - running.rounds
+            accepted_at = report.accepted_at[slot].astype(np.int64)
+            gained = accepted_at - running.accepted_at if self.k_max else accepted_at
+            running.rounds, running.accepted_at = int(report.rounds[slot]), accepted_at
+            batch_rounds = max(batch_rounds, rounds)
+            if self.auto:
+                self._chooser.record(slot, k, rounds, gained)
+            self.counters["drafted_total"] += k * rounds
+            self.counters["accepted_total"] += int(gained[:k].sum()) if k else 0
+            new = int(report.count[slot]) - running.delivered
+            tokens = report.recent[slot, self.window - new:].tolist() if new > 0 else []
+            logprobs = report.recent_logprobs[slot, self.window - new:].tolist() if new > 0 else []
+            self._deliver(slot, tokens, logprobs, bool(report.done[slot]))
+        self.rounds_by_k[k] += batch_rounds
+        if self.auto and k == 0:
+            self._chooser.idle(batch_rounds)
+
+    def _segment_call(self, mode: str, bucket: int, k: int, *, refill: bool, early: bool, halt: np.ndarray,
+                      rounds: int | None = None):
+        self._state, self._params, report = programs.segment(
+            self._static(mode), bucket, self.window, self.model.params, self._state, self._params, jnp.int32(k),
+            jnp.int32(rounds or self.config.segment_rounds), jnp.bool_(refill), jnp.asarray(halt), jnp.bool_(early))
+        return report

@@ -1,0 +1,214 @@
+"""The serving engine under load: every greedy request equals its prompt's plain greedy decoding,
+whatever arrives beside it and whatever k the segments run; sampled requests in a mixed batch
+follow the model's distribution (chi-square against full forward passes); prefix reuse gives the
+same tokens; cancellation, stop strings and a full queue behave."""
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import tokenizers
+
+import generation_models as gm
+import jaxmtp
+from jaxmtp import data
+from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Request
+from jaxmtp.errors import InputError
+from test_speculative_sampling import CONFIG, NEW, PROMPT, VOCAB, chi_square_p_value, exact_distribution
+
+CHUNK = 32
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return jaxmtp.load(jaxmtp.DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tokenizers.Tokenizer.from_file(f"{jaxmtp.DEMO_MODEL}/tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def engine(demo, tokenizer):
+    engine = Engine(demo, tokenizer=tokenizer, slots=8, buckets=(2, 8), max_len=256, prefill_chunk=CHUNK,
+                    segment_rounds=4, prefix_blocks=16, max_queue=64, sampling=False).start()
+    yield engine
+    engine.shutdown(timeout=5)
+
+
+def corpus_prompts(tokenizer, count, seed=0):
+    """Held-out text prompts of mixed lengths (5..150 tokens)."""
+    rng = random.Random(seed)
+    texts = data.held_out_prompts(tokenizer, count, 160)
+    return [p[:rng.randint(5, 150)] for p in texts]
+
+
+class Collector:
+    """Gathers one request's events; `done` is set by its last."""
+
+    def __init__(self):
+        self.tokens, self.events, self.done = [], [], threading.Event()
+
+    def __call__(self, event: Event):
+        self.events.append(event)
+        self.tokens.extend(event.tokens)
+        if event.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def finish(self):
+        return self.events[-1]
+
+
+def staggered(engine, prompts, limits, **fields):
+    """Submits the requests from another thread a few milliseconds apart (they arrive while the
+    earlier ones decode) -> their collectors, once all have finished."""
+    collectors = [Collector() for _ in prompts]
+
+    def send():
+        for p, m, c in zip(prompts, limits, collectors):
+            engine.submit(Request(prompt=tuple(p), max_tokens=m, **fields), c)
+            time.sleep(random.Random(len(p)).uniform(0, 0.01))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    sender.join()
+    for c in collectors:
+        assert c.done.wait(120), "a request never finished"
+    return collectors
+
+
+@pytest.mark.parametrize("k", ["auto", 0, 1, 2])
+def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, tokenizer, k):
+    prompts = corpus_prompts(tokenizer, 32)
+    limits = [8 + (7 * i) % 33 for i in range(32)]
+    reference = jaxmtp.generate(demo, prompts, max_new_tokens=max(limits)).tokens  # rows are independent
+    engine.force_k(None if k == "auto" else k)
+    try:
+        collectors = staggered(engine, prompts, limits)
+    finally:
+        engine.force_k(None)
+    for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
+        assert c.finish.finish_reason == "length", (i, c.finish)
+        assert c.tokens == want[:m], f"request {i} (prompt of {len(prompts[i])} tokens) differs from plain greedy"
+        assert c.finish.completion_tokens == m and c.finish.prompt_tokens == len(prompts[i])
+    snapshot = engine.snapshot()
+    assert snapshot["running"] == 0 and snapshot["waiting"] == 0
+    if k in (1, 2):
+        assert snapshot["rounds_by_k"].get(k, 0) > 0
+
+
+def test_prefix_reuse_gives_the_same_tokens(engine, demo, tokenizer):
+    # Three whole chunks and the token after them (the MTP entry at a chunk's last position reads it).
+    shared = data.held_out_prompts(tokenizer, 1, 4 * CHUNK)[0][:3 * CHUNK + 1]
+    tails = [p[:20] for p in data.held_out_prompts(tokenizer, 4, 40)]
+    prompts = [shared + t for t in tails]
+    reference = jaxmtp.generate(demo, prompts, max_new_tokens=12).tokens
+    before = engine.snapshot()["cached_prompt_tokens_total"]
+    first = Collector()
+    engine.submit(Request(prompt=tuple(prompts[0]), max_tokens=12), first)
+    assert first.done.wait(60)
+    rest = [Collector() for _ in prompts[1:]]
+    for p, c in zip(prompts[1:], rest):
+        engine.submit(Request(prompt=tuple(p), max_tokens=12), c)
+    for c in rest:
+        assert c.done.wait(60)
+    assert first.tokens == reference[0]
+    for c, want in zip(rest, reference[1:]):
+        assert c.tokens == want
+        assert c.finish.cached_tokens == 3 * CHUNK  # the shared chunks came from the store
+    assert engine.snapshot()["cached_prompt_tokens_total"] - before >= 3 * 3 * CHUNK
+
+
+def test_stops_cancellation_and_refusals(engine, demo, tokenizer):
+    prompt = corpus_prompts(tokenizer, 1, seed=3)[0]
+    plain = jaxmtp.generate(demo, [prompt], max_new_tokens=30).tokens[0]
+    # A stop sequence of two generated tokens ends the request right after them.
+    c = Collector()
+    engine.submit(Request(prompt=tuple(prompt), max_tokens=30, stop_token_ids=(tuple(plain[5:7]),)), c)
+    assert c.done.wait(60)
+    assert c.tokens == plain[:7] and c.finish.finish_reason == "stop"
+    # A stop string: the tokens up to the one that completes it.
+    text = tokenizer.decode(plain[:12])
+    stop = text[-3:] if text[-3:].strip() else text[-4:]
+    c = Collector()
+    engine.submit(Request(prompt=tuple(prompt), max_tokens=30, stop=(stop,)), c)
+    assert c.done.wait(60)
+    assert stop in tokenizer.decode(c.tokens) and stop not in tokenizer.decode(c.tokens[:-1])
+    assert c.finish.finish_reason == "stop" and c.tokens == plain[:len(c.tokens)]
+    # A cancelled request ends as cancelled and frees its slot.
+    c = Collector()
+    handle = engine.submit(Request(prompt=tuple(prompt), max_tokens=150), c)
+    handle.cancel()
+    assert c.done.wait(60)
+    assert c.finish.finish_reason == "cancelled"
+    deadline = time.time() + 10
+    while not engine.idle and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.idle
+    # Bad requests name their field.
+    for request, field in [(Request(prompt=(), max_tokens=1), "prompt"), (Request(prompt=(1,), max_tokens=0), "max_tokens"),
+                           (Request(prompt=(1,) * 250, max_tokens=10), "max_tokens"),
+                           (Request(prompt=(1, 99999), max_tokens=1), "prompt"),
+                           (Request(prompt=(1,), max_tokens=1, temperature=0.5), "temperature"),
+                           (Request(prompt=(1,), max_tokens=1, top_p=0), "top_p"),
+                           (Request(prompt=(1,), max_tokens=1, stop_token_ids=((1,),) * 9), "stop_token_ids")]:
+        with pytest.raises(InputError, match=field):
+            engine.submit(request, Collector())
+
+
+def test_a_full_queue_refuses_and_shutdown_ends_everything(demo):
+    engine = Engine(demo, slots=2, buckets=(2,), max_len=256, prefill_chunk=CHUNK, segment_rounds=4, max_queue=2,
+                    sampling=False, speculative_k=0).start()
+    collectors = [Collector() for _ in range(4)]
+    submitted = []
+    with pytest.raises(QueueFull) as full:
+        for c in collectors * 4:
+            submitted.append(engine.submit(Request(prompt=(1, 2, 3), max_tokens=200), c))
+    assert full.value.retry_after > 0
+    engine.shutdown(timeout=0)
+    with pytest.raises(NotAdmitting):
+        engine.submit(Request(prompt=(1,), max_tokens=1), Collector())
+    for c in {id(c): c for c in collectors}.values():
+        if c.events:
+            assert c.done.is_set() and c.finish.finish_reason in ("cancelled", "length")
+
+
+def test_sampled_requests_in_a_mixed_batch_follow_the_model():
+    """Sampled rows beside greedy rows, every segment at k = 2: the first three tokens of 4,096
+    sampled requests against the exact distribution from full forward passes; the greedy rows
+    equal plain greedy."""
+    model = gm.model("partial", CONFIG, head_scale=0.25)
+    samples, temperature, top_k, top_p = 4096, 1.0, 0, 0.9
+    engine = Engine(model, slots=32, buckets=(32,), max_len=32, prefill_chunk=16, segment_rounds=4,
+                    prefix_blocks=0, max_queue=8192, speculative_k=2).start()
+    try:
+        engine.force_k(2)
+        greedy = jaxmtp.generate(model, [PROMPT], max_new_tokens=NEW).tokens[0]
+        collectors = []
+        for i in range(samples + samples // 8):
+            c = Collector()
+            if i % 9 == 8:
+                engine.submit(Request(prompt=tuple(PROMPT), max_tokens=NEW), c)
+                c.greedy = True
+            else:
+                engine.submit(Request(prompt=tuple(PROMPT), max_tokens=NEW, temperature=temperature, top_k=top_k,
+                                      top_p=top_p, seed=i), c)
+                c.greedy = False
+            collectors.append(c)
+        for c in collectors:
+            assert c.done.wait(300)
+        drafted, accepted = engine.snapshot()["drafted_total"], engine.snapshot()["accepted_total"]
+    finally:
+        engine.shutdown(timeout=5)
+    assert all(c.tokens == greedy for c in collectors if c.greedy)
+    sampled = np.array([c.tokens for c in collectors if not c.greedy])
+    assert sampled.shape == (samples, NEW)
+    counts = np.zeros((VOCAB,) * 3)
+    np.add.at(counts, tuple(sampled.T), 1)
+    expected = exact_distribution(model, temperature, top_k, top_p) * samples
+    assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
+    assert 0.05 < accepted / drafted < 0.95  # both the accept and the reject paths ran
