@@ -1,7 +1,8 @@
 """Two processes x 4 CPU devices form one mesh (jax.distributed over loopback), load a checkpoint
 onto it and generate the same tokens as one process; with speculative_k="auto" and a round-cost
 table of its own per process, both decode with process 0's costs, so with the same k in every
-round. In one process, auto's measuring loops compile in the caller's mesh."""
+round. One serving engine spans both processes. In one process, auto's measuring loops compile in
+the caller's mesh."""
 
 import json
 import os
@@ -29,12 +30,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_workers(model_dir, out_dir):
+def _run_workers(model_dir, out_dir, script="multiprocess_worker.py"):
     """Both workers to their end (killed past WORKER_TIMEOUT) -> their JSON results."""
     port = str(_free_port())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
                WORKER_TIMEOUT=str(WORKER_TIMEOUT))
-    workers = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(i), port, model_dir,
+    workers = [subprocess.Popen([sys.executable, os.path.join(HERE, script), str(i), port, model_dir,
                                  out_dir], env=dict(env, JAXMTP_CACHE_DIR=os.path.join(out_dir, f"costs{i}")),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for i in range(2)]
@@ -75,6 +76,18 @@ def test_two_processes_generate_like_one(tmp_path):
         assert first[run]["round_costs"] == drafting and not first[run]["chose_plain"]
         by_k = np.sum(first[run]["rounds_at"], axis=0)
         assert by_k[1] > 0 and by_k[2] > 0, by_k  # the loop's choice changed k as it went
+
+
+def test_two_processes_serve_like_one(tmp_path):
+    """One serving engine over both processes' devices: process 0 schedules, process 1 runs the
+    same operations; the served tokens equal one process's plain greedy decoding."""
+    model_dir = str(tmp_path / "model")
+    single = gm.model("partial", CONFIG)
+    jaxmtp.save(single, model_dir)
+    first, second = _run_workers(model_dir, str(tmp_path), "engine_worker.py")
+    assert second == {"followed": True}
+    assert first["tokens"] == jaxmtp.generate(single, PROMPTS, max_new_tokens=10, speculative_k=0).tokens
+    assert first["rounds_by_k"].get("2", 0) > 0
 
 
 def test_calibration_compiles_in_the_callers_mesh():

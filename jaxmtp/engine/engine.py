@@ -34,23 +34,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp import adaptive, checks, streaming
-from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, Inputs, Static
-from jaxmtp.engine import programs
+from jaxmtp import adaptive, checks, compile_cache, streaming
+from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, Static
+from jaxmtp.engine import device, programs
 from jaxmtp.engine.requests import Event, Handle, NotAdmitting, QueueFull, Request
 from jaxmtp.errors import InputError
 from jaxmtp.generation import MAX_SPECULATIVE_K, auto_max_k
 from jaxmtp.model import Model
-from jaxmtp.sampling import SamplingParams
 
 TIMED_REPEATS = 3  # timed segments per (mode, bucket, k) at start
-# A segment runs up to this many times segment_rounds rounds while a prompt is being prefilled, so
-# that each prefill chunk between two segments costs the running requests at most about as much
-# time again as the segment's own rounds (their inter-token latency at most doubles).
+IDLE_SECONDS = 5.0  # an idle engine's heartbeat to the other processes
+# While a prompt is being prefilled, a segment runs up to this many times segment_rounds rounds, so
+# that a prefill chunk that takes longer than prefill_share of a segment is spread over more rounds.
 PREFILL_SPREAD = 4
 
 
@@ -64,7 +61,10 @@ class EngineConfig:
     the prefix store holds (0: no reuse). max_queue: requests waiting, at most (more are refused
     with QueueFull). sampling: compile the sampling programs (else only greedy requests are taken).
     stop_sequences, stop_length: the per-request stop table (EOS ids included). hysteresis: how
-    much more a new k must pay to replace the last."""
+    much more a new k must pay to replace the last. prefill_share: prefill time between two
+    segments, at most, as a share of a segment's time (at least one chunk runs): the running
+    requests' inter-token latency grows by about this share while a prompt is prefilled
+    (benchmarks/engine_latency.py)."""
 
     slots: int = 16
     max_len: int = 1024
@@ -78,6 +78,7 @@ class EngineConfig:
     stop_sequences: int = 8
     stop_length: int = 8
     hysteresis: float = 0.05
+    prefill_share: float = 0.5
 
     def bucket_sizes(self) -> tuple[int, ...]:
         if self.buckets is not None:
@@ -97,6 +98,8 @@ def _check_config(c: EngineConfig, model: Model) -> EngineConfig:
     checks.whole("max_queue", c.max_queue, minimum=0)
     checks.whole("stop_sequences", c.stop_sequences, minimum=1)
     checks.whole("stop_length", c.stop_length, minimum=1)
+    checks.real("hysteresis", c.hysteresis, minimum=0)
+    checks.real("prefill_share", c.prefill_share, minimum=0, above_minimum=True)
     k = c.speculative_k
     if k != "auto":
         if isinstance(k, str):
@@ -255,6 +258,7 @@ class Engine:
                  config: EngineConfig | None = None, **options):
         config = dataclasses.replace(config or EngineConfig(), **options)
         self.config = _check_config(config, model)
+        compile_cache.enable()
         self.model = model.decoding()
         self.tokenizer = tokenizer
         self.eos_token_ids = checks.eos_ids(eos_token_id, model.config.vocab_size)
@@ -276,6 +280,9 @@ class Engine:
         self.costs: dict[str, dict[int, np.ndarray]] = {}  # mode -> bucket -> seconds per round at k
         self._chooser = Chooser(max(self.k_max, 1), c.slots, c.hysteresis)
         self._prefix = PrefixStore(c.prefix_blocks, chunk) if c.prefix_blocks else None
+        self._device = device.Device(device.Settings(
+            static=self.static, params=self.model.params, slots=c.slots, chunk=chunk, window=self.window,
+            stops=(c.stop_sequences, c.stop_length), prefix_blocks=c.prefix_blocks))
         self._lock = threading.Condition()
         self._inbox: collections.deque[Handle] = collections.deque()
         self._waiting: collections.deque[Handle] = collections.deque()
@@ -296,49 +303,25 @@ class Engine:
 
     def start(self) -> "Engine":
         """Compiles every program, measures a round's cost at each k for each bucket, then starts
-        decoding on the engine's thread. -> self."""
+        decoding on the engine's thread. -> self. With several processes, process 0 takes the
+        requests and the others' start() runs process 0's operations as they come
+        (jaxmtp.engine.device) until process 0 shuts down."""
         if self._thread is not None:
             raise InputError("start: this engine has started already")
         with self.model.mesh_context():
-            self._fresh()
+            if not self._device.leader:
+                self._device.follow()
+                return self
+            self._device.fresh()
             self._calibrate()
-            self._fresh()
+            self._device.fresh()
         self._admitting = True
         self._thread = threading.Thread(target=self._run, name="jaxmtp-engine", daemon=True)
         self._thread.start()
         return self
 
-    def _fresh(self):
-        """Every slot free, an empty staging state and prefix store."""
-        c, static = self.config, self.static
-        self._state = programs.empty_slots(static, c.slots)
-        zeros = np.zeros((c.slots,), np.float32)
-        sampling = SamplingParams(zeros + 1, np.ones((c.slots,), np.int32), zeros + 1, np.ones((c.slots,), bool))
-        self._params = programs.SlotParams(limits=np.ones((c.slots,), np.int32),
-                                           stops=np.full((c.slots, c.stop_sequences, c.stop_length), NEVER, np.int32),
-                                           sampling=sampling)
-        self._params = jax.tree.map(jnp.asarray, self._params)
-        self._staging = programs.empty_staging(static, (c.stop_sequences, c.stop_length))
-        self._pool = None
-        if self._prefix is not None:
-            entries, block = c.prefix_blocks, c.prefill_chunk
-
-            def pool(leaf):
-                return jnp.zeros(leaf.shape[:-3] + (entries, block, leaf.shape[-1]), leaf.dtype)
-
-            self._pool = jax.tree.map(pool, self._cached(self._staging))
-            self._prefix = PrefixStore(entries, block)
-
-    def _cached(self, staging: programs.Staging) -> dict:
-        """The staging state's caches that the prefix store copies: the main stacks' and the MTP layer's."""
-        carry = staging.carry
-        return {"main": carry.caches, "mtp": None if carry.drafts is None else carry.drafts.cache}
-
     def modes(self) -> tuple[str, ...]:
         return ("greedy", "mixed") if self.config.sampling else ("greedy",)
-
-    def _static(self, mode: str) -> Static:
-        return self.static if mode == "mixed" else dataclasses.replace(self.static, mode=programs.GREEDY)
 
     def _calibrate(self):
         """Runs a staged request through every program (compiling them), then times segments of
@@ -346,17 +329,21 @@ class Engine:
         self._progress(f"compiling the serving programs ({len(self.modes())} modes x {len(self.buckets)} batch buckets, "
                        f"k = 0..{self.k_max})")
         began = time.perf_counter()
+        device = self._device
         request = Request(prompt=(0,) * min(self.config.prefill_chunk + 1, self.max_len - 1), max_tokens=1)
         handle = Handle(request, lambda event: None, -1)
         self._begin(_Staged(handle, 0, 0, len(request.prompt) - 1, 0))
         while self._staged is not None:
             self._stage_step()
+        if self._prefix is not None:  # both copies once, with nothing to copy
+            self._store_blocks([], [])
+            device.load(np.zeros((device.blocks,), np.int32), 0)
         chunk_times = []
         for _ in range(TIMED_REPEATS):
-            jax.block_until_ready(self._staging)
+            device.ready()
             began_chunk = time.perf_counter()
-            self._staging = jax.block_until_ready(programs.stage_chunk(
-                self.static, self.config.prefill_chunk, self.model.params, self._staging, jnp.int32(0)))
+            device.chunk(0)
+            device.ready()
             chunk_times.append(time.perf_counter() - began_chunk)
         self.chunk_seconds = statistics.median(chunk_times)
         position = min(self.max_len // 4, 256)
@@ -368,11 +355,11 @@ class Engine:
                                "for each batch bucket")
             for (mode, bucket, k), seconds in times.items():
                 rows = np.arange(self.slots) < bucket
-                self._state, self._params = jax.block_until_ready(programs.occupy(
-                    self.static, self._state, self._params, rows, jnp.int32(position)))
+                device.occupy(rows, position)
+                device.ready()
                 began_segment = time.perf_counter()
-                out = self._segment_call(mode, bucket, k, refill=False, early=False, halt=~rows)
-                jax.block_until_ready(out)
+                device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=self.config.segment_rounds,
+                               refill=False, early=False, halt=~rows)
                 if repeat:  # the first pass compiles
                     seconds.append((time.perf_counter() - began_segment) / self.config.segment_rounds)
         for mode in self.modes():
@@ -512,8 +499,10 @@ class Engine:
             while True:
                 with self._lock:
                     while not self._stop and not (self._inbox or self._waiting or self._staged or any(self._running)):
-                        self._lock.wait(0.5)
+                        if not self._lock.wait(IDLE_SECONDS):
+                            self._device.noop()  # the other processes wait in a collective
                     if self._stop:
+                        self._device.stop()
                         break
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
@@ -525,14 +514,32 @@ class Engine:
             self._fail_all(None)
 
     def _step(self):
-        """One pass: cancellations, admission, a prefill chunk, a decode segment."""
+        """One pass: cancellations, then prefill chunks of waiting requests for about as long as
+        the next segment will take (at least one chunk), then a decode segment."""
         self._drop_cancelled()
-        if self._staged is None:
-            self._admit()
-        if self._staged is not None:
+        spent = 0.0
+        while True:
+            if self._staged is None:
+                self._admit()
+            if self._staged is None:
+                break
+            budget = self._segment_estimate()
+            if spent and budget is not None and spent + self.chunk_seconds > self.config.prefill_share * budget:
+                break
             self._stage_step()
+            spent += self.chunk_seconds
         if any(self._running):
             self._decode()
+
+    def _segment_estimate(self) -> float | None:
+        """About how long the next segment takes (its rounds at the last k on the live bucket), or
+        None while no request decodes."""
+        live = [s for s, r in enumerate(self._running) if r is not None]
+        if not live or not self.costs:
+            return None
+        bucket = next(b for b in self.buckets if b > live[-1])
+        mode = "greedy" if all(self._running[s].greedy for s in live) or not self.config.sampling else "mixed"
+        return self.config.segment_rounds * float(self.costs[mode][bucket][min(self._segment_k, self.k_max)])
 
     def _emit(self, handle: Handle, event: Event):
         try:
@@ -598,52 +605,41 @@ class Engine:
 
     def _begin(self, staged: _Staged):
         """Puts a request into the staging state, with its prefix's chunks copied from the store."""
-        request, chunk, c = staged.handle.request, self.config.prefill_chunk, self.config
+        request, chunk = staged.handle.request, self.config.prefill_chunk
         prompt = np.asarray(request.prompt, np.int32)
-        seq = np.zeros((1, self.static.cache_len + self.k_max + 1), np.int32)
-        seq[0, :len(prompt)] = prompt
+        seq = np.zeros((self.static.cache_len + self.k_max + 1,), np.int32)
+        seq[:len(prompt)] = prompt
         seed = request.seed if request.seed is not None else int(self._seeds.integers(2**31))
         greedy = request.temperature == 0
         vocab = self.model.config.vocab_size
-        sampling = SamplingParams(np.float32([request.temperature if not greedy else 1.0]),
-                                  np.int32([request.top_k if 0 < request.top_k < vocab else vocab]),
-                                  np.float32([request.top_p]), np.array([greedy]))
-        inputs = Inputs(prompt=None, lengths=np.int32([len(prompt)]), limits=np.int32([request.max_tokens]),
-                        real=np.ones((1,), bool), stops=self._stop_table(request)[None], sampling=sampling,
-                        key=jax.random.key(seed), costs=None, force_k=None)
-        self._staging = programs.stage_begin(self.static, self._staging, seq, jax.tree.map(jnp.asarray, inputs))
+        self._device.begin(seq, stops=self._stop_table(request), length=len(prompt), limit=request.max_tokens,
+                           temperature=request.temperature if not greedy else 1.0,
+                           top_k=request.top_k if 0 < request.top_k < vocab else vocab, top_p=request.top_p,
+                           greedy=greedy, seed=seed)
         if self._prefix is not None and staged.handle.id >= 0:
             # Leave at least AUTO_SEGMENT positions to prefill: auto's window of main hidden states
             # comes from the prefill.
             most = max(0, (len(prompt) - AUTO_SEGMENT) // chunk)
             entries = self._prefix.match(request.prompt, most)
             if entries:
-                blocks = self.static.cache_len // chunk
-                ids = np.full((blocks,), 0, np.int32)
+                ids = np.zeros((self._device.blocks,), np.int32)
                 ids[:len(entries)] = entries
-                cached = programs.load_blocks(self._cached(self._staging), self._pool, jnp.asarray(ids),
-                                              jnp.int32(len(entries)))
-                carry = self._staging.carry
-                drafts = None if carry.drafts is None else carry.drafts.replace(cache=cached["mtp"])
-                self._staging = self._staging.replace(carry=carry.replace(caches=cached["main"], drafts=drafts))
+                self._device.load(ids, len(entries))
                 staged.start = staged.cached = len(entries) * chunk
         self._staged = staged
 
     def _stage_step(self):
         """One prefill chunk of the staged request; after its last, the request takes its slot."""
         staged, chunk = self._staged, self.config.prefill_chunk
-        self._staging = programs.stage_chunk(self.static, chunk, self.model.params, self._staging,
-                                             jnp.int32(staged.start))
+        self._device.chunk(staged.start)
         staged.start += chunk
         if staged.start <= staged.last:
             return
         self._staged = None
-        self._state, self._params, first = programs.insert(self.static, self._state, self._params, self._staging,
-                                                           jnp.int32(staged.slot))
+        token, logprob, done = self._device.insert(staged.slot)
         if staged.handle.id < 0:  # calibration's request
             return
         self._store_prefix(staged)
-        token, logprob, done = (x.item() for x in jax.device_get(first))
         request = staged.handle.request
         self.counters["prompt_tokens_total"] += len(request.prompt)
         self.counters["cached_prompt_tokens_total"] += staged.cached
@@ -660,10 +656,16 @@ class Engine:
         request, chunk = staged.handle.request, self.config.prefill_chunk
         blocks = (len(request.prompt) - 1) // chunk  # whole chunks followed by a prompt token
         chunks, entries = self._prefix.place(request.prompt, blocks)
-        if not chunks:
-            return
-        self._pool = programs.store_blocks(self._pool, self._cached(self._staging), jnp.asarray(chunks, jnp.int32),
-                                           jnp.asarray(entries, jnp.int32))
+        if chunks:
+            self._store_blocks(chunks, entries)
+
+    def _store_blocks(self, chunks: list[int], entries: list[int]):
+        """Copies the staged chunks into store entries; the index arrays have one length (the
+        cache's chunks), padded with an entry past the store's end, which the copy skips."""
+        blocks = np.zeros((self._device.blocks,), np.int32)
+        slots = np.full((self._device.blocks,), self.config.prefix_blocks, np.int32)
+        blocks[:len(chunks)], slots[:len(entries)] = chunks, entries
+        self._device.store(blocks, slots)
 
     def _deliver(self, slot: int, tokens: list[int], logprobs: list[float], done: bool):
         """New tokens of a slot's request to its listener; a finished request frees its slot."""
@@ -703,9 +705,10 @@ class Engine:
         halt = np.array([r is None for r in self._running])
         rounds = self.config.segment_rounds
         if self._staged is not None and self.costs:  # a prompt is being prefilled between segments
-            rounds = int(np.clip(np.ceil(self.chunk_seconds / self.costs[mode][bucket][k]), rounds, self.max_rounds))
-        report = jax.device_get(self._segment_call(mode, bucket, k, refill=refill, early=early, halt=halt,
-                                                   rounds=rounds))
+            share = self.config.prefill_share * self.costs[mode][bucket][k]
+            rounds = int(np.clip(np.ceil(self.chunk_seconds / share), rounds, self.max_rounds))
+        report = self._device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=rounds, refill=refill,
+                                      early=early, halt=halt)
         self._segment_k = k
         self.counters["segments_total"] += 1
         batch_rounds = 0
@@ -730,9 +733,3 @@ class Engine:
         if self.auto and k == 0:
             self._chooser.idle(batch_rounds)
 
-    def _segment_call(self, mode: str, bucket: int, k: int, *, refill: bool, early: bool, halt: np.ndarray,
-                      rounds: int | None = None):
-        self._state, self._params, report = programs.segment(
-            self._static(mode), bucket, self.window, self.model.params, self._state, self._params, jnp.int32(k),
-            jnp.int32(rounds or self.config.segment_rounds), jnp.bool_(refill), jnp.asarray(halt), jnp.bool_(early))
-        return report

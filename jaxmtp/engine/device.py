@@ -1,0 +1,212 @@
+"""The serving engine's device side: the slots' state and the operations on it, in lockstep across
+processes.
+
+With several processes (jax.distributed, a mesh over their devices), one process takes requests
+and schedules (process 0, the leader); every process must launch the same programs in the same
+order, since each launches its part of their collectives. So the leader sends every operation
+(its kind and its arguments, as one int32 vector of a fixed length) to the others with
+`multihost_utils.broadcast_one_to_all` before it runs it, and the others (`Device.follow`) receive
+and run the same operation; results that the host reads (a request's first token, a segment's
+report) are gathered on every process alike. With one process nothing is sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp.decoding import NEVER, Inputs, Static
+from jaxmtp.engine import programs
+from jaxmtp.sampling import SamplingParams
+
+FRESH, BEGIN, LOAD, CHUNK, INSERT, STORE, SEGMENT, OCCUPY, NOOP, STOP = range(10)
+HEADER = 8
+
+
+def _fetch(tree):
+    """Device arrays -> numpy, gathered from every process where a mesh spans several (a collective
+    that every process runs at the same point)."""
+    if not all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        from jax.experimental import multihost_utils
+
+        tree = multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
+
+
+def _bits(value: float) -> int:
+    return int(np.float32(value).view(np.int32))
+
+
+def _float(bits) -> float:
+    return float(np.int32(bits).view(np.float32))
+
+
+@dataclasses.dataclass
+class Settings:
+    """What the device side is specialised on: static (the MIXED loop configuration), params (the
+    model's), slots, chunk (prefill chunk and prefix block), window (report tokens), stops (N, L),
+    prefix_blocks (0: no store)."""
+
+    static: Static
+    params: object
+    slots: int
+    chunk: int
+    window: int
+    stops: tuple[int, int]
+    prefix_blocks: int
+
+
+class Device:
+    """The slots' state, the staging state and the prefix store, and the operations the engine runs
+    on them (see the module's docstring for several processes)."""
+
+    def __init__(self, settings: Settings):
+        self.s = settings
+        self.leader = jax.process_index() == 0
+        self.many = jax.process_count() > 1
+        self.blocks = settings.static.cache_len // settings.chunk
+        self.width = HEADER + max(self.s.static.cache_len + self.s.static.k + 1 + int(np.prod(self.s.stops)),
+                                  2 * self.blocks, self.s.slots)
+
+    # ----- lockstep -----
+
+    def _send(self, op: int, header=(), payload=()):
+        """The leader's operation to the other processes (nothing with one process)."""
+        if not (self.many and self.leader):
+            return
+        message = np.zeros((self.width,), np.int32)
+        message[0] = op
+        message[1:1 + len(header)] = header
+        message[HEADER:HEADER + len(payload)] = payload
+        self._broadcast(message)
+
+    def _broadcast(self, message: np.ndarray) -> np.ndarray:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.broadcast_one_to_all(message))
+
+    def follow(self):
+        """Runs the leader's operations as they arrive, until it stops (another process only)."""
+        if self.leader:
+            raise RuntimeError("follow: process 0 leads; the other processes follow it")
+        while True:
+            m = self._broadcast(np.zeros((self.width,), np.int32))
+            op, h, p = int(m[0]), m[1:HEADER], m[HEADER:]
+            if op == STOP:
+                return
+            if op == FRESH:
+                self.fresh()
+            elif op == BEGIN:
+                w = self.s.static.cache_len + self.s.static.k + 1
+                self.begin(p[:w], stops=p[w:w + int(np.prod(self.s.stops))].reshape(self.s.stops), length=int(h[0]),
+                           limit=int(h[1]), top_k=int(h[2]), greedy=bool(h[3]), seed=int(h[4]),
+                           temperature=_float(h[5]), top_p=_float(h[6]))
+            elif op == LOAD:
+                self.load(p[:self.blocks], int(h[0]))
+            elif op == CHUNK:
+                self.chunk(int(h[0]))
+            elif op == INSERT:
+                self.insert(int(h[0]))
+            elif op == STORE:
+                self.store(p[:self.blocks], p[self.blocks:2 * self.blocks])
+            elif op == SEGMENT:
+                self.segment(greedy=bool(h[0]), bucket=int(h[1]), k=int(h[2]), rounds=int(h[3]), refill=bool(h[4]),
+                             early=bool(h[5]), halt=p[:self.s.slots].astype(bool))
+            elif op == OCCUPY:
+                self.occupy(p[:self.s.slots].astype(bool), int(h[0]))
+
+    def stop(self):
+        """Ends the other processes' `follow`."""
+        self._send(STOP)
+
+    def noop(self):
+        """Keeps the other processes' waiting collective alive while the leader is idle."""
+        self._send(NOOP)
+
+    # ----- operations -----
+
+    def fresh(self):
+        """Every slot free, an empty staging state and prefix store."""
+        self._send(FRESH)
+        s = self.s
+        self.state = programs.empty_slots(s.static, s.slots)
+        ones = np.ones((s.slots,), np.float32)
+        sampling = SamplingParams(ones, np.ones((s.slots,), np.int32), ones.copy(), np.ones((s.slots,), bool))
+        params = programs.SlotParams(limits=np.ones((s.slots,), np.int32),
+                                     stops=np.full((s.slots, *s.stops), NEVER, np.int32), sampling=sampling)
+        self.params = jax.tree.map(jnp.asarray, params)
+        self.staging = programs.empty_staging(s.static, s.stops)
+        self.pool = None
+        if s.prefix_blocks:
+            def pool(leaf):
+                return jnp.zeros(leaf.shape[:-3] + (s.prefix_blocks, s.chunk, leaf.shape[-1]), leaf.dtype)
+
+            self.pool = jax.tree.map(pool, self._cached())
+
+    def _cached(self) -> dict:
+        """The staging caches the prefix store copies: the main stacks' and the MTP layer's."""
+        carry = self.staging.carry
+        return {"main": carry.caches, "mtp": None if carry.drafts is None else carry.drafts.cache}
+
+    def begin(self, seq: np.ndarray, *, stops: np.ndarray, length: int, limit: int, temperature: float, top_k: int,
+              top_p: float, greedy: bool, seed: int):
+        """A request into the staging state: seq [W] its prompt (zeros after), stops [N, L]."""
+        self._send(BEGIN, (length, limit, top_k, int(greedy), seed, _bits(temperature), _bits(top_p)),
+                   np.concatenate([seq, stops.ravel()]))
+        sampling = SamplingParams(np.float32([temperature]), np.int32([top_k]), np.float32([top_p]), np.array([greedy]))
+        inputs = Inputs(prompt=None, lengths=np.int32([length]), limits=np.int32([limit]), real=np.ones((1,), bool),
+                        stops=np.asarray(stops, np.int32)[None], sampling=sampling, key=jax.random.key(seed),
+                        costs=None, force_k=None)
+        self.staging = programs.stage_begin(self.s.static, self.staging, jnp.asarray(seq, jnp.int32)[None],
+                                            jax.tree.map(jnp.asarray, inputs))
+
+    def load(self, ids: np.ndarray, count: int):
+        """Store entries ids[:count] into the staged caches' first chunks (ids: one per cache chunk)."""
+        self._send(LOAD, (count,), ids)
+        cached = programs.load_blocks(self._cached(), self.pool, jnp.asarray(ids, jnp.int32), jnp.int32(count))
+        carry = self.staging.carry
+        drafts = None if carry.drafts is None else carry.drafts.replace(cache=cached["mtp"])
+        self.staging = self.staging.replace(carry=carry.replace(caches=cached["main"], drafts=drafts))
+
+    def chunk(self, start: int):
+        """The staged prompt's prefill over positions start..start + chunk - 1."""
+        self._send(CHUNK, (start,))
+        self.staging = programs.stage_chunk(self.s.static, self.s.chunk, self.s.params, self.staging, jnp.int32(start))
+
+    def insert(self, slot: int) -> tuple[int, float, bool]:
+        """The staged request into `slot` -> (its first token, that token's log-probability, done)."""
+        self._send(INSERT, (slot,))
+        self.state, self.params, first = programs.insert(self.s.static, self.state, self.params, self.staging,
+                                                         jnp.int32(slot))
+        token, logprob, done = _fetch(first)
+        return int(token), float(logprob), bool(done)
+
+    def store(self, blocks: np.ndarray, entries: np.ndarray):
+        """Staged cache chunks `blocks` into store `entries` (both one per cache chunk; entries at
+        or past the store's size are skipped)."""
+        self._send(STORE, (), np.concatenate([blocks, entries]))
+        self.pool = programs.store_blocks(self.pool, self._cached(), jnp.asarray(blocks, jnp.int32),
+                                          jnp.asarray(entries, jnp.int32))
+
+    def segment(self, *, greedy: bool, bucket: int, k: int, rounds: int, refill: bool, early: bool,
+                halt: np.ndarray) -> programs.Report:
+        """A decode segment (programs.segment) -> its report as numpy arrays."""
+        self._send(SEGMENT, (int(greedy), bucket, k, rounds, int(refill), int(early)), halt.astype(np.int32))
+        static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
+        self.state, self.params, report = programs.segment(
+            static, bucket, self.s.window, self.s.params, self.state, self.params, jnp.int32(k), jnp.int32(rounds),
+            jnp.bool_(refill), jnp.asarray(halt), jnp.bool_(early))
+        return _fetch(report)
+
+    def occupy(self, rows: np.ndarray, position: int):
+        """Calibration: rows [slots] run from `position` without limit (programs.occupy)."""
+        self._send(OCCUPY, (position,), rows.astype(np.int32))
+        self.state, self.params = programs.occupy(self.s.static, self.state, self.params, jnp.asarray(rows),
+                                                  jnp.int32(position))
+
+    def ready(self):
+        """Waits for every operation sent so far to finish (for timing)."""
+        jax.block_until_ready((self.state, self.params, self.staging))
