@@ -2,7 +2,10 @@
 
 - long_prompt: 8 greedy requests decode; a 2,048-token prompt arrives while they do. Their inter-token
   latency (the gap between two events that carry tokens; and that gap over the tokens it carried)
-  with the long prompt against the same 8 requests alone; repeats alternate the two.
+  with the long prompt against the same 8 requests alone; repeats alternate the cases. Two cases
+  with the long prompt: it asks for one token (its prefill is all it adds), or for 16, when it then
+  decodes beside them: every row of a round attends over the cache up to the batch's furthest
+  position, so a long row makes the others' rounds dearer too.
 - prefix: requests that share a 1,024-token prefix (different 64-token tails), one at a time: time to
   the first token with prefix reuse against an engine without it, and whether their tokens are equal.
 
@@ -65,21 +68,22 @@ def model_with_context(length: int) -> Model:
 
 def long_prompt(engine: Engine, prompts, long, *, new_tokens: int, repeats: int) -> dict:
     """p99 inter-token latency of 8 decoding requests, alone and with `long` arriving (alternating)."""
-    runs = {"alone": [], "with_long_prompt": []}
+    runs = {"alone": [], "with_long_prompt": [], "with_long_request_decoding": []}
     for _ in range(repeats):
         for case in runs:
             timelines = [Timeline() for _ in prompts]
             for p, t in zip(prompts, timelines):
                 engine.submit(Request(prompt=tuple(p), max_tokens=new_tokens, ignore_eos=True), t)
             extra = Timeline()
-            if case == "with_long_prompt":
+            if case != "alone":
                 while not all(t.times for t in timelines):  # they are all decoding
                     time.sleep(0.001)
                 time.sleep(0.02)
-                engine.submit(Request(prompt=tuple(long), max_tokens=16, ignore_eos=True), extra)
+                tokens = 1 if case == "with_long_prompt" else 16
+                engine.submit(Request(prompt=tuple(long), max_tokens=tokens, ignore_eos=True), extra)
             for t in timelines:
                 t.done.wait()
-            if case == "with_long_prompt":
+            if case != "alone":
                 extra.done.wait()
             gaps = [g for t in timelines for g in t.gaps()[0]]
             per_token = [g for t in timelines for g in t.gaps()[1]]
@@ -89,9 +93,9 @@ def long_prompt(engine: Engine, prompts, long, *, new_tokens: int, repeats: int)
                                "long_prompt_first_token_s": extra.first_token if extra.times else None})
     median = {case: {name: statistics.median(r[name] for r in rs) for name in ("gap_p99", "per_token_p99")}
               for case, rs in runs.items()}
-    return {"runs": runs, "median": median,
-            "gap_p99_ratio": median["with_long_prompt"]["gap_p99"] / median["alone"]["gap_p99"],
-            "per_token_p99_ratio": median["with_long_prompt"]["per_token_p99"] / median["alone"]["per_token_p99"]}
+    ratios = {f"{case}_{name}_ratio": median[case][name] / median["alone"][name] for case in runs if case != "alone"
+              for name in ("gap_p99", "per_token_p99")}
+    return {"runs": runs, "median": median, **ratios}
 
 
 def prefix(engines: dict[str, Engine], shared, tails, *, new_tokens: int) -> dict:
@@ -150,7 +154,9 @@ def main(argv=None):
                "long_prompt": {k: v for k, v in latency.items() if k != "runs"},
                "prefix": {k: v for k, v in reuse.items() if k != "first_token_s"}}
     raw = {"long_prompt": latency["runs"], "prefix_first_token_s": reuse["first_token_s"]}
-    print(f"long prompt: p99 gap x{latency['gap_p99_ratio']:.2f}, p99 per token x{latency['per_token_p99_ratio']:.2f}; "
+    print(f"long prompt: p99 gap x{latency['with_long_prompt_gap_p99_ratio']:.2f}, p99 per token "
+          f"x{latency['with_long_prompt_per_token_p99_ratio']:.2f}; decoding beside them: p99 gap "
+          f"x{latency['with_long_request_decoding_gap_p99_ratio']:.2f}; "
           f"prefix reuse: first token {reuse['speedup']:.1f}x sooner, identical tokens: {reuse['identical_tokens']}")
     if args.json:
         provenance.write(args.json, "engine_latency", figures, raw, args.repeats,

@@ -213,6 +213,14 @@ def _ks(text: str) -> list[int]:
             f"expected comma-separated integers 1..{MAX_SPECULATIVE_K}, found {text!r}") from None
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """--buckets: "1,4,16" -> batch sizes."""
+    try:
+        return tuple(_whole(b, 1) for b in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, found {text!r}") from None
+
+
 def _mesh(text: str) -> dict[str, int]:
     """--mesh: "expert=8,tensor=8" -> the size of each axis (1 where not named)."""
     sizes = dict.fromkeys(AXES, 1)
@@ -471,6 +479,78 @@ def _report(out, config, run_s, first_s, compile_s):
           f"accepted {s.accepted_tokens}")
 
 
+def _serve(args):
+    """Loads the model, starts the engine (compiling and measuring, with progress on stderr), then
+    serves the OpenAI-compatible API until SIGTERM or SIGINT has drained it (jaxmtp.serve)."""
+    from jaxmtp import compile_cache
+    from jaxmtp.engine import Engine
+    from jaxmtp.generation_config import GenerationConfig
+    from jaxmtp.serve import Defaults, bind, create_app, serve
+
+    model_dir = DEMO_MODEL if args.model == "demo" else args.model
+    name = args.served_model_name or ("demo" if args.model == "demo" else os.path.basename(os.path.normpath(model_dir)))
+    template = _serve_template(args, model_dir)  # a bad template or port is refused before the weights are read
+    leader = jax.process_index() == 0  # with --distributed, process 0 serves and the others follow it
+    try:
+        sock = bind(args.host, args.port) if leader else None
+    except OSError as e:
+        raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror})") from None
+    model = _load(model_dir, flag="MODEL", mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet,
+                  matmul=args.matmul)
+    longest = model.config.max_position_embeddings
+    if args.max_len is not None and args.max_len > longest:
+        raise UsageError(f"--max-len {args.max_len}: longer than the model's max_position_embeddings ({longest})")
+    with _reading("MODEL", model_dir):
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    compile_cache.enable()  # a restarted server loads the programs it compiled before
+    with _Progress(quiet=args.quiet) as progress:
+        engine = Engine(model, tokenizer=_tokenizer(model_dir),
+                        eos_token_id=model.config.eos_token_id if eos is None else eos, progress=progress,
+                        slots=args.max_batch, max_len=args.max_len or min(longest, 4096),
+                        speculative_k=args.speculative_k, max_queue=args.max_queue, buckets=args.buckets,
+                        prefill_chunk=args.prefill_chunk, prefix_blocks=args.prefix_blocks,
+                        sampling=not args.greedy_only)
+        engine.start()  # on a process other than 0: runs process 0's operations until it shuts down
+    if not leader:
+        return
+    temperature = args.temperature if args.temperature is not None else 0.0 if args.greedy_only else 1.0
+    defaults = Defaults(temperature=temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
+    app = create_app(engine, model_name=name, chat_template=template, defaults=defaults,
+                     shutdown_timeout=args.shutdown_timeout)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    serve(app, sock, quiet=args.quiet,
+          on_ready=lambda: print(f"serving {args.model} at {url}", file=sys.stderr, flush=True))
+
+
+def _serve_template(args, model_dir: str):
+    """The chat template of `serve`: --chat-template's file, else the model's own, else None; its
+    Jinja syntax checked. The special tokens it may write come from the model's tokenizer_config.json."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    from jaxmtp.chat import FILE, read_template
+    from jaxmtp.serve import ChatTemplate
+
+    with _reading("MODEL", model_dir):
+        found = read_template(model_dir) if os.path.isdir(model_dir) else None
+    tokens = found[1] if found else {}
+    if args.chat_template:
+        flag, source = "--chat-template", args.chat_template
+        with _reading(flag, source), open(source, encoding="utf-8") as f:
+            text = f.read()
+    elif found:
+        flag, source, text = "MODEL", os.path.join(model_dir, FILE), found[0]
+    else:
+        return None
+    try:
+        jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise UsageError(f"{flag} {source}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return ChatTemplate(text, **tokens)
+
+
 def _plan(args):
     sizes = args.mesh
     count = sizes["data"] * sizes["expert"] * sizes["tensor"]
@@ -723,6 +803,53 @@ def build_parser() -> argparse.ArgumentParser:
                       help="FP8 weights: keep them FP8 with their scales, or write dense --dtype weights")
     conv.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     on_devices(conv, matmul=False)
+
+    sv = command("serve", _serve, "an OpenAI-compatible HTTP server (completions, chat completions, streaming, "
+                                  "metrics) over the serving engine: continuous batching with MTP speculation")
+    sv.add_argument("model", metavar="MODEL", help='checkpoint directory, or "demo" for the bundled demo model')
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sv.add_argument("--port", type=lambda text: _whole(text, 0, 65535), default=8000,
+                    help="port to listen on; 0 = a free one, which the ready line names")
+    sv.add_argument("--max-batch", type=_positive, default=16, help="requests decoded at once (the engine's slots)")
+    sv.add_argument("--max-len", type=_positive,
+                    help="prompt plus new tokens of a request, at most; default: the model's max_position_embeddings, "
+                         "at most 4096")
+    sv.add_argument("--max-queue", type=_non_negative, default=256,
+                    help="requests waiting for a slot, at most; more are refused with 429 and Retry-After")
+    sv.add_argument("--speculative-k", type=_k_value, default="auto",
+                    help=f'MTP drafts per round, 0..{MAX_SPECULATIVE_K}; 0 = plain decoding; "auto": chosen per decode '
+                         "segment from the measured cost of a round at each k for the live batch and the acceptance "
+                         "so far")
+    sv.add_argument("--temperature", type=_temperature,
+                    help="sampling temperature of a request that gives none; 0 = greedy; default 1 (0 with "
+                         "--greedy-only)")
+    sv.add_argument("--top-p", type=_top_p, default=1.0, help="top_p of a request that gives none; 1 = all")
+    sv.add_argument("--top-k", type=_non_negative, default=0, help="top_k of a request that gives none; 0 = all")
+    sv.add_argument("--max-tokens", type=_positive, default=256,
+                    help="new tokens at most of a request that gives no max_tokens (and no more than --max-len leaves "
+                         "after its prompt)")
+    sv.add_argument("--chat-template", metavar="FILE",
+                    help="Jinja chat template for /v1/chat/completions; without it, the model's (chat_template in "
+                         "tokenizer_config.json), and a model without one refuses chat requests")
+    sv.add_argument("--served-model-name",
+                    help='the model\'s name in the API; default: the name of the checkpoint directory ("demo" for '
+                         "the demo)")
+    sv.add_argument("--shutdown-timeout", type=lambda text: _real(text, 0.0), default=30.0,
+                    help="seconds that running requests get to finish after SIGTERM or SIGINT before they are "
+                         "cancelled")
+    sv.add_argument("--buckets", type=_sizes,
+                    help="batch sizes compiled, comma-separated, the last = --max-batch; a segment runs the smallest "
+                         "that holds the live requests; default: the powers of two up to --max-batch")
+    sv.add_argument("--prefill-chunk", type=_chunk, default=128,
+                    help="prompt positions prefilled per step between decode segments (a multiple of 16), and the "
+                         "prefix store's block")
+    sv.add_argument("--prefix-blocks", type=_non_negative, default=64,
+                    help="prompt chunks the prefix store keeps for reuse by later prompts that begin alike; 0 = none")
+    sv.add_argument("--greedy-only", action="store_true",
+                    help="compile the greedy programs only (a shorter start); requests with temperature > 0 are "
+                         "refused")
+    sv.add_argument("--quiet", action="store_true", help="no progress lines nor server logs (the ready line stays)")
+    on_devices(sv)
     return parser
 
 

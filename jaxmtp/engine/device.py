@@ -201,6 +201,14 @@ class Device:
             jnp.bool_(refill), jnp.asarray(halt), jnp.bool_(early))
         return _fetch(report)
 
+    def compile_segment(self, *, greedy: bool, bucket: int):
+        """Compiles the segment program of this mode and bucket ahead of its first call (JAX's
+        persistent cache then holds it for that call); safe to run in threads side by side."""
+        static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
+        halt = jnp.zeros((self.s.slots,), bool)
+        programs.segment.lower(static, bucket, self.s.window, self.s.params, self.state, self.params, jnp.int32(0),
+                               jnp.int32(1), jnp.bool_(False), halt, jnp.bool_(False)).compile()
+
     def occupy(self, rows: np.ndarray, position: int):
         """Calibration: rows [slots] run from `position` without limit (programs.occupy)."""
         self._send(OCCUPY, (position,), rows.astype(np.int32))

@@ -24,6 +24,7 @@ with the same tokens copies them back instead of running them.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import itertools
@@ -44,7 +45,7 @@ from jaxmtp.errors import InputError
 from jaxmtp.generation import MAX_SPECULATIVE_K, auto_max_k
 from jaxmtp.model import Model
 
-TIMED_REPEATS = 3  # timed segments per (mode, bucket, k) at start
+TIMED_REPEATS = 5  # timed segments per (mode, bucket, k) at start
 IDLE_SECONDS = 5.0  # an idle engine's heartbeat to the other processes
 # While a prompt is being prefilled, a segment runs up to this many times segment_rounds rounds, so
 # that a prefill chunk that takes longer than prefill_share of a segment is spread over more rounds.
@@ -294,6 +295,9 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._segment_k = 0
+        self._segment_seconds = 1.0  # the last segment's time, per segment_rounds rounds
+        self._chunk_seconds = 0.0  # the last prefill chunk's time
+        self._last_rounds = c.segment_rounds
         self.counters = {"prompt_tokens_total": 0, "cached_prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "drafted_total": 0, "accepted_total": 0, "segments_total": 0}
         self.rounds_by_k = collections.Counter()
@@ -330,6 +334,7 @@ class Engine:
                        f"k = 0..{self.k_max})")
         began = time.perf_counter()
         device = self._device
+        self._compile_ahead()
         request = Request(prompt=(0,) * min(self.config.prefill_chunk + 1, self.max_len - 1), max_tokens=1)
         handle = Handle(request, lambda event: None, -1)
         self._begin(_Staged(handle, 0, 0, len(request.prompt) - 1, 0))
@@ -364,10 +369,28 @@ class Engine:
                     seconds.append((time.perf_counter() - began_segment) / self.config.segment_rounds)
         for mode in self.modes():
             self.costs[mode] = {b: np.array([statistics.median(times[mode, b, k]) for k in ks]) for b in self.buckets}
+        self._segment_seconds = self.config.segment_rounds * float(self.costs["greedy"][self.buckets[0]][0])
         self._progress(f"a prefill chunk of {self.config.prefill_chunk} positions: {1e3 * self.chunk_seconds:.2f} ms; "
                        "round costs (ms per round at k = 0..): " + "; ".join(
             f"{m} batch {b}: " + " ".join(f"{1e3 * s:.2f}" for s in self.costs[m][b]) for m in self.modes()
             for b in self.buckets))
+
+    def _compile_ahead(self):
+        """The segment programs (the largest) compiled side by side in threads (XLA compiles
+        outside the GIL), where JAX's persistent cache will hand them to their first calls; without
+        the cache each compiles at its first call, one after another."""
+        import jax
+
+        if not jax.config.jax_compilation_cache_dir:
+            return
+        jobs = [(mode == "greedy", bucket) for mode in self.modes() for bucket in self.buckets]
+
+        def compile_one(job):
+            with self.model.mesh_context():
+                self._device.compile_segment(greedy=job[0], bucket=job[1])
+
+        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+            list(pool.map(compile_one, jobs))
 
     # ----- requests -----
 
@@ -514,8 +537,9 @@ class Engine:
             self._fail_all(None)
 
     def _step(self):
-        """One pass: cancellations, then prefill chunks of waiting requests for about as long as
-        the next segment will take (at least one chunk), then a decode segment."""
+        """One pass: cancellations, then prefill chunks of waiting requests for at most
+        prefill_share of the last segment's time (at least one chunk; each chunk timed as it runs,
+        since a chunk late in a long prompt attends over more positions), then a decode segment."""
         self._drop_cancelled()
         spent = 0.0
         while True:
@@ -523,23 +547,17 @@ class Engine:
                 self._admit()
             if self._staged is None:
                 break
-            budget = self._segment_estimate()
-            if spent and budget is not None and spent + self.chunk_seconds > self.config.prefill_share * budget:
+            if spent and any(self._running) and spent >= self.config.prefill_share * self._segment_seconds:
                 break
+            began = time.perf_counter()
             self._stage_step()
-            spent += self.chunk_seconds
+            self._device.ready()
+            self._chunk_seconds = time.perf_counter() - began
+            spent += self._chunk_seconds
         if any(self._running):
+            began = time.perf_counter()
             self._decode()
-
-    def _segment_estimate(self) -> float | None:
-        """About how long the next segment takes (its rounds at the last k on the live bucket), or
-        None while no request decodes."""
-        live = [s for s, r in enumerate(self._running) if r is not None]
-        if not live or not self.costs:
-            return None
-        bucket = next(b for b in self.buckets if b > live[-1])
-        mode = "greedy" if all(self._running[s].greedy for s in live) or not self.config.sampling else "mixed"
-        return self.config.segment_rounds * float(self.costs[mode][bucket][min(self._segment_k, self.k_max)])
+            self._segment_seconds = (time.perf_counter() - began) / self._last_rounds * self.config.segment_rounds
 
     def _emit(self, handle: Handle, event: Event):
         try:
@@ -704,9 +722,11 @@ class Engine:
             early = bool(self._waiting or self._inbox) and len(live) == self.slots
         halt = np.array([r is None for r in self._running])
         rounds = self.config.segment_rounds
-        if self._staged is not None and self.costs:  # a prompt is being prefilled between segments
-            share = self.config.prefill_share * self.costs[mode][bucket][k]
-            rounds = int(np.clip(np.ceil(self.chunk_seconds / share), rounds, self.max_rounds))
+        if self._staged is not None:  # a prompt is being prefilled between segments: its chunks take at
+            # most prefill_share of a segment, the segment made longer where a chunk takes more
+            share = self.config.prefill_share * self._segment_seconds / self.config.segment_rounds
+            rounds = int(np.clip(np.ceil(self._chunk_seconds / share), rounds, self.max_rounds))
+        self._last_rounds = rounds
         report = self._device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=rounds, refill=refill,
                                       early=early, halt=halt)
         self._segment_k = k
