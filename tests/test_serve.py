@@ -126,7 +126,7 @@ def reference():
 def server(tmp_path_factory, reference, tokenizer):
     directory = tmp_path_factory.mktemp("serve")
     (directory / "chat.jinja").write_text(TEMPLATE)
-    s = Server(directory / "server.log", "--max-batch", "2", "--max-len", "512", "--chat-template",
+    s = Server(directory / "server.log", "--max-batch", "2", "--buckets", "2", "--max-len", "512", "--chat-template",
                str(directory / "chat.jinja"))
     try:
         for prompt in [*PROMPTS, _chat_prompt(tokenizer)]:  # while the server starts
@@ -369,7 +369,7 @@ def test_full_queue_no_template_and_sigterm(tmp_path):
     """A server with one queue place: a request beyond it is refused with 429 and Retry-After; a
     chat request is refused for want of a template; SIGTERM with requests in flight answers 503
     to new ones, ends the running ones (finished or cancelled, never hanging) and exits with 0."""
-    s = Server(tmp_path / "server.log", "--max-batch", "2", "--max-len", "512", "--max-queue", "1",
+    s = Server(tmp_path / "server.log", "--max-batch", "2", "--buckets", "2", "--max-len", "512", "--max-queue", "1",
                "--shutdown-timeout", "1").ready()
     try:
         client = s.client()

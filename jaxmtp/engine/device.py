@@ -107,7 +107,7 @@ class Device:
             elif op == LOAD:
                 self.load(p[:self.blocks], int(h[0]))
             elif op == CHUNK:
-                self.chunk(int(h[0]))
+                self.chunk(int(h[0]), int(h[1]))
             elif op == INSERT:
                 self.insert(int(h[0]))
             elif op == STORE:
@@ -171,10 +171,12 @@ class Device:
         drafts = None if carry.drafts is None else carry.drafts.replace(cache=cached["mtp"])
         self.staging = self.staging.replace(carry=carry.replace(caches=cached["main"], drafts=drafts))
 
-    def chunk(self, start: int):
-        """The staged prompt's prefill over positions start..start + chunk - 1."""
-        self._send(CHUNK, (start,))
-        self.staging = programs.stage_chunk(self.s.static, self.s.chunk, self.s.params, self.staging, jnp.int32(start))
+    def chunk(self, start: int, size: int):
+        """The staged prompt's prefill over positions start..start + size - 1 (size: the prefill
+        chunk, or a smaller one for a prompt's last positions; start + the prefill chunk must fit
+        the cache, as it does where start is a multiple of it)."""
+        self._send(CHUNK, (start, size))
+        self.staging = programs.stage_chunk(self.s.static, size, self.s.params, self.staging, jnp.int32(start))
 
     def insert(self, slot: int) -> tuple[int, float, bool]:
         """The staged request into `slot` -> (its first token, that token's log-probability, done)."""

@@ -63,9 +63,9 @@ class EngineConfig:
     with QueueFull). sampling: compile the sampling programs (else only greedy requests are taken).
     stop_sequences, stop_length: the per-request stop table (EOS ids included). hysteresis: how
     much more a new k must pay to replace the last. prefill_share: prefill time between two
-    segments, at most, as a share of a segment's time (at least one chunk runs): the running
-    requests' inter-token latency grows by about this share while a prompt is prefilled
-    (benchmarks/engine_latency.py)."""
+    segments, at most, as a share of a segment's time, per request waiting (at least one chunk
+    runs): the running requests' inter-token latency grows by about this share while one prompt is
+    prefilled (benchmarks/engine_latency.py), and by more while several wait."""
 
     slots: int = 16
     max_len: int = 1024
@@ -273,6 +273,9 @@ class Engine:
         self.static = Static(model.config, self.model.dtype, self.k_max, programs.MIXED, cache_len, self.model.layout,
                              auto=True, logprobs=True, prefill_chunk=chunk)
         self.buckets = c.bucket_sizes()
+        # A prompt's last positions run in a chunk of a half or a quarter of prefill_chunk where
+        # they fit one (multiples of 16), instead of a whole chunk of padding.
+        self.chunk_sizes = tuple(size for size in (chunk // 4, chunk // 2, chunk) if size >= 16 and size % 16 == 0)
         self.max_rounds = c.segment_rounds * PREFILL_SPREAD
         self.window = self.max_rounds * (self.k_max + 1) + 1
         self.chunk_seconds = 0.0  # a prefill chunk's time, measured at start
@@ -302,6 +305,7 @@ class Engine:
                          "drafted_total": 0, "accepted_total": 0, "segments_total": 0}
         self.rounds_by_k = collections.Counter()
         self.finished = collections.Counter()
+        self.failed: str | None = None  # why the engine's thread ended, if an error ended it
 
     # ----- setting up -----
 
@@ -343,11 +347,13 @@ class Engine:
         if self._prefix is not None:  # both copies once, with nothing to copy
             self._store_blocks([], [])
             device.load(np.zeros((device.blocks,), np.int32), 0)
+        for size in self.chunk_sizes:  # each chunk program compiled
+            device.chunk(0, size)
         chunk_times = []
         for _ in range(TIMED_REPEATS):
             device.ready()
             began_chunk = time.perf_counter()
-            device.chunk(0)
+            device.chunk(0, self.config.prefill_chunk)
             device.ready()
             chunk_times.append(time.perf_counter() - began_chunk)
         self.chunk_seconds = statistics.median(chunk_times)
@@ -442,7 +448,8 @@ class Engine:
         self.check(request)
         with self._lock:
             if not self._admitting:
-                raise NotAdmitting("the engine is not taking requests (not started, or shutting down)")
+                why = f"it failed ({self.failed})" if self.failed else "not started, or shutting down"
+                raise NotAdmitting(f"the engine is not taking requests: {why}")
             if len(self._inbox) + len(self._waiting) >= self.config.max_queue:
                 raise QueueFull(f"{len(self._inbox) + len(self._waiting)} requests are waiting, the most this engine "
                                 "queues", retry_after=1.0)
@@ -532,14 +539,20 @@ class Engine:
                 try:
                     self._step()
                 except Exception as error:  # a bug: end every request with it rather than hang them
-                    self._fail_all(f"{type(error).__name__}: {error}")
+                    with self._lock:
+                        self._admitting = False  # later submits are refused, not left waiting
+                    self.failed = f"{type(error).__name__}: {error}"
+                    self._fail_all(self.failed)
                     raise
             self._fail_all(None)
 
     def _step(self):
         """One pass: cancellations, then prefill chunks of waiting requests for at most
-        prefill_share of the last segment's time (at least one chunk; each chunk timed as it runs,
-        since a chunk late in a long prompt attends over more positions), then a decode segment."""
+        prefill_share of the last segment's time per request waiting (at least one chunk; each
+        chunk timed as it runs, since a chunk late in a long prompt attends over more positions),
+        then a decode segment. One prompt arriving costs the running requests about prefill_share
+        of their pace; a queue gets prefill time in proportion, so that it does not wait on
+        segments that keep few rows busy."""
         self._drop_cancelled()
         spent = 0.0
         while True:
@@ -547,7 +560,9 @@ class Engine:
                 self._admit()
             if self._staged is None:
                 break
-            if spent and any(self._running) and spent >= self.config.prefill_share * self._segment_seconds:
+            with self._lock:
+                waiting = 1 + len(self._waiting) + len(self._inbox)
+            if spent and any(self._running) and spent >= self.config.prefill_share * waiting * self._segment_seconds:
                 break
             began = time.perf_counter()
             self._stage_step()
@@ -647,10 +662,13 @@ class Engine:
         self._staged = staged
 
     def _stage_step(self):
-        """One prefill chunk of the staged request; after its last, the request takes its slot."""
-        staged, chunk = self._staged, self.config.prefill_chunk
-        self._device.chunk(staged.start)
-        staged.start += chunk
+        """One prefill chunk of the staged request (the smallest of chunk_sizes that holds what is
+        left, else a whole chunk); after its last, the request takes its slot."""
+        staged = self._staged
+        left = staged.last - staged.start + 1
+        size = next((size for size in self.chunk_sizes if size >= left), self.config.prefill_chunk)
+        self._device.chunk(staged.start, size)
+        staged.start += size
         if staged.start <= staged.last:
             return
         self._staged = None

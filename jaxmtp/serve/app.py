@@ -415,6 +415,8 @@ def create_app(engine, *, model_name: str, chat_template: ChatTemplate | None = 
     async def health():
         if service.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if engine.failed is not None:  # its thread ended on an error: nothing more is decoded
+            return JSONResponse({"status": "failed", "error": engine.failed}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
