@@ -363,6 +363,120 @@ def real_width_section() -> str:
     return intro + "\n".join(parts)
 
 
+def _greedy_line(figures: dict) -> str:
+    """How every configuration's greedy outputs compare with the reference's, and the prompts whose
+    ids differ."""
+    greedy = figures["greedy"]
+    counts = "; ".join(f"{config}: {n['same_tokens']}/{n['compared']} the same token ids"
+                       + (f", {n['same_text']}/{n['compared']} the same text" if config == "hf" else "")
+                       for config, n in greedy["matched"].items() if config != greedy["reference"])
+    text = f"Greedy outputs against {greedy['reference']}'s, request by request: {counts or 'nothing to compare'}."
+    differing = [f"{m['config']} at {m['load']}, prompt {m['prompt']}, from token {m['first_difference']} "
+                 f"({'the same' if m['same_text'] else 'another'} text)" for m in greedy["mismatches"]]
+    if differing:
+        text += " Ids differ: " + "; ".join(differing) + "."
+    if any(m["same_text"] and m["config"] == "hf" for m in greedy["mismatches"]):
+        text += (" HF's ids are its streamed text encoded again, which merges tokens that the model generated "
+                 "apart (two newline tokens where one token holds both): the same text, other ids.")
+    return text
+
+
+def _servers(configs: dict) -> str:
+    """The servers' command lines, jaxmtp's that differ only in --speculative-k as one."""
+    jaxmtp = {name: c for name, c in configs.items() if c["speculative_k"] is not None}
+    shapes = {c["invocation"].replace(f"--speculative-k {c['speculative_k']}", "--speculative-k K")
+              for c in jaxmtp.values()}
+    if len(shapes) == 1:
+        ks = ", ".join(f"{name}: {c['speculative_k']}" for name, c in jaxmtp.items())
+        parts = [f"`{shapes.pop()}` with K = ({ks})"]
+    else:
+        parts = [f"{name}: `{c['invocation']}`" for name, c in jaxmtp.items()]
+    return "; ".join(parts + [f"{name}: `{c['invocation']}`" for name, c in configs.items() if name not in jaxmtp])
+
+
+def _cores(value) -> str:
+    return "-" if value is None else f"{round(value, 1) + 0.0:.1f}"  # + 0.0: no "-0.0"
+
+
+def serving_result(result: dict, name: str) -> str:
+    """One run of benchmarks/serving.py: output tokens/s, TTFT and ITL per configuration and load,
+    the servers' command lines, and how the greedy outputs compared."""
+    f, device = result["figures"], result["provenance"]["device"]
+    rows = [[r["config"], r["load"], f"{r['output_tokens_per_s']:.0f}", f"{r['ttft_p50_ms']:.0f}",
+             f"{r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f}", f"{r['itl_p99_ms']:.1f}",
+             f"{r['tokens_per_chunk']:.1f}", _cores(r["other_cores"])] for r in f["rows"]]
+    first = [r for r in f["rows"] if r["config"] == f["rows"][0]["config"]]
+    requests = ", ".join(f"{r['requests'] // f['repeats']} at {r['load']}" for r in first)
+    prompts = f"{sum(r['requests'] for r in first)} {f['prompts']}"
+    hf = f["configs"].get("hf")
+    peer = f" HF: transformers {hf['transformers']}, torch {hf['torch']}." if hf else ""
+    where = "On this project's CPU" if device["platform"] == "cpu" else f"On {device['kind']}"
+    return (f"### {where}\n\n{prompts_label(result, prompts)}; {f['max_tokens']} greedy tokens per request; "
+            f"requests per phase: {requests}; {f['repeats']} repeats of each load, the servers taking turns. "
+            f"Servers: {_servers(f['configs'])}.{peer} Output tokens/s: the median over the repeats; TTFT and ITL: "
+            "over all their requests; tokens/chunk: tokens per streamed chunk; other cores: the most cores that "
+            "other processes (the idle servers, other work on the machine) kept busy during a phase, to about 0.1 "
+            "(the kernel counts a process's time and the machine's apart).\n\n"
+            + table(["config", "load", "output tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)",
+                     "ITL p99 (ms)", "tokens/chunk", "other cores"], rows)
+            + "\n\n" + _greedy_line(f) + "\n\n" + source(result, name) + "\n")
+
+
+def serving_section() -> str:
+    """Every benchmarks/results/serving*.json."""
+    names = sorted(n.removesuffix(".json") for n in os.listdir(RESULTS) if n.startswith("serving")
+                   and n.endswith(".json"))
+    if not names:
+        return ""
+    return ("## Serving (`jaxmtp serve` beside `transformers serve`)\n\n"
+            "Streaming clients against OpenAI-compatible servers, each a process of its own on one machine: "
+            "`jaxmtp serve` with plain decoding, each fixed k and auto, and HF's `transformers serve "
+            "--continuous-batching` on the same checkpoint (`benchmarks/serving.py`). Closed-loop loads keep c "
+            "requests in flight; a rate is Poisson arrivals. Each phase's prompts are new to every server, so no "
+            "prefix cache helps. Every request generates the same number of tokens: the end of text is ignored "
+            "(jaxmtp: `ignore_eos`; HF: `generation_config` `{\"eos_token_id\": -1}`). jaxmtp takes the prompts "
+            "as token ids and streams the completion's ids, several tokens per chunk (the steps of a decode "
+            "segment); HF's `/v1/completions` takes and streams text, so it gets the prompts' text (each encodes "
+            "back to the same ids) and its streamed text is encoded again. HF's KV cache holds as many positions "
+            "as jaxmtp's (`--cb-num-blocks`; left to itself on a CPU it takes most of the free memory, and its "
+            "attention masks grow with it). TTFT: from sending a request to its first token; ITL: per token (a "
+            "chunk of n tokens g after the previous chunk counts n latencies of g / n).\n\n"
+            + "\n".join(serving_result(load(name), name) for name in names))
+
+
+def engine_latency_section() -> str:
+    """benchmarks/results/engine_latency.json: the engine's inter-token latency with a long prompt
+    arriving, and time to first token with prefix reuse."""
+    result = load("engine_latency")
+    if result is None:
+        return ""
+    f = result["figures"]
+    lp, reuse = f["long_prompt"], f["prefix"]
+    median = lp["median"]
+    names = {"alone": "alone", "with_long_prompt": f"a {f['long_prompt_tokens']:,}-token prompt arrives (1 new token)",
+             "with_long_request_decoding": f"a {f['long_prompt_tokens']:,}-token prompt arrives, then decodes 16 tokens "
+                                           "beside them"}
+    rows = [[names[case], f"{1e3 * m['gap_p99']:.0f}", f"{1e3 * m['per_token_p99']:.1f}",
+             "1" if case == "alone" else f"{lp[case + '_gap_p99_ratio']:.2f} / {lp[case + '_per_token_p99_ratio']:.2f}"]
+            for case, m in median.items()]
+    first = reuse["median_first_token_s"]
+    return ("## Serving engine latency (`benchmarks/engine_latency.py`)\n\n"
+            f"The engine alone (no HTTP), greedy, the demo's weights with max_position_embeddings raised from 1,024 "
+            f"to {f['context']:,} (both events need more positions; past 1,024 the text is beyond the model's "
+            f"training, which changes what it writes, not what a step costs). The prompts: "
+            f"{prompts_label(result, 'excerpts')}.\n\n"
+            f"**A long prompt arriving.** {f['decoding_requests']} requests decode {f['new_tokens']} tokens each; "
+            "the long prompt is submitted once all have their first token. Inter-token latency of the "
+            f"{f['decoding_requests']}: the gap between two events with tokens, and that gap over its tokens (per "
+            f"token); the median over {result['provenance']['repeats']} repeats of each p99, the cases taking turns.\n\n"
+            + table(["case", "p99 gap (ms)", "p99 per token (ms)", "x alone (gap / per token)"], rows)
+            + f"\n\n**Prefix reuse.** Requests whose prompts share a {f['prefix_tokens']:,}-token prefix (then "
+            "64 tokens of their own), one at a time, after one request has filled the store: time to first token "
+            f"{1e3 * first['with_reuse']:.0f} ms with reuse against {1e3 * first['without_reuse']:.0f} ms "
+            f"without (an engine with no store), {reuse['speedup']:.1f}x sooner; the tokens are "
+            f"{'identical' if reuse['identical_tokens'] else 'NOT identical'}.\n\n" + source(result, "engine_latency") + "\n")
+
+
 def page() -> str:
     parts = ["# Performance\n\nEvery figure here is rendered by `python benchmarks/render.py` from the results JSON in "
              "`benchmarks/results/`, which holds each run's provenance (commit, versions, device, flags, command, "
@@ -375,8 +489,8 @@ def page() -> str:
              "from the measuring machine's own standard library, whose text differs between Python versions.\n",
              "## Speculative decoding on the demo model\n",
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
-             auto_section(), decode_step_section(), sparse_section(), real_width_section(), plans_section(),
-             device_plan_section(), cold_start_section()]
+             auto_section(), decode_step_section(), serving_section(), engine_latency_section(), sparse_section(), real_width_section(),
+             plans_section(), device_plan_section(), cold_start_section()]
     return "\n".join(p for p in parts if p).rstrip() + "\n"
 
 
