@@ -411,7 +411,8 @@ def serving_result(result: dict, name: str) -> str:
     hf = f["configs"].get("hf")
     peer = f" HF: transformers {hf['transformers']}, torch {hf['torch']}." if hf else ""
     where = "On this project's CPU" if device["platform"] == "cpu" else f"On {device['kind']}"
-    return (f"### {where}\n\n{prompts_label(result, prompts)}; {f['max_tokens']} greedy tokens per request; "
+    loads = ", ".join(r["load"] for r in first)
+    return (f"### {where}: {loads}, {f['max_tokens']} new tokens\n\n{prompts_label(result, prompts)}; {f['max_tokens']} greedy tokens per request; "
             f"requests per phase: {requests}; {f['repeats']} repeats of each load, the servers taking turns. "
             f"Servers: {_servers(f['configs'])}.{peer} Output tokens/s: the median over the repeats; TTFT and ITL: "
             "over all their requests; tokens/chunk: tokens per streamed chunk; other cores: the most cores that "
