@@ -12,6 +12,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import generation_models as gm
 import jaxmtp
@@ -78,6 +79,8 @@ def test_two_processes_generate_like_one(tmp_path):
         assert by_k[1] > 0 and by_k[2] > 0, by_k  # the loop's choice changed k as it went
 
 
+@pytest.mark.skipif(not os.environ.get("JAXMTP_LONG_TESTS"), reason="two processes compiling the engine take about "
+                    "two CPU-minutes; set JAXMTP_LONG_TESTS=1 to run it")
 def test_two_processes_serve_like_one(tmp_path):
     """One serving engine over both processes' devices: process 0 schedules, process 1 runs the
     same operations; the served tokens equal one process's plain greedy decoding."""
