@@ -64,15 +64,21 @@ class Receiver:
         tail that could be the start of a stop string."""
         if self._tokenizer is None:
             raise InputError("text: needs the tokenizer the tokens were generated with (tokenizer=...)")
-        text = self._tokenizer.decode(self.tokens[row])
-        cuts = [text.find(s) for s in self._stop if s in text]
-        if cuts:
-            return text[:min(cuts)]
-        if final:
-            return text
-        text = text.rstrip("\ufffd")
-        hold = max((n for s in self._stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-        return text[:len(text) - hold]
+        return visible(self._tokenizer.decode(self.tokens[row]), self._stop, final)
+
+
+def visible(text: str, stop: Sequence[str], final: bool = True) -> str:
+    """Decoded text cut before its first stop string; with final=False (while it streams), also
+    without what may still change: a trailing partial UTF-8 character ("\\ufffd") and a tail that
+    could be the start of a stop string."""
+    cuts = [text.find(s) for s in stop if s in text]
+    if cuts:
+        return text[:min(cuts)]
+    if final:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text[:len(text) - hold]
 
 
 def echo(stream, prompt: list[int], tokenizer=None, file=None) -> tuple[float, float | None]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jaxmtp import streaming
+
 
 class IncrementalText:
     """tokenizer: anything with decode(ids) -> str, or None (the text is then always empty: the
@@ -32,12 +34,4 @@ class IncrementalText:
         """The text so far, cut before a stop string; with final=False, without what may still change."""
         if self._tokenizer is None:
             return ""
-        text = self._tokenizer.decode(self.tokens)
-        cuts = [text.find(s) for s in self._stop if s in text]
-        if cuts:
-            return text[:min(cuts)]
-        if final:
-            return text
-        text = text.rstrip("\ufffd")
-        hold = max((n for s in self._stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-        return text[:len(text) - hold]
+        return streaming.visible(self._tokenizer.decode(self.tokens), self._stop, final)
