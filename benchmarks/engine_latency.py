@@ -150,6 +150,7 @@ def main(argv=None):
                "decoding_requests": len(prompts), "new_tokens": new_tokens,
                "round_costs_ms": {m: {b: (1e3 * c).tolist() for b, c in costs.items()} for m, costs in
                                   engine.costs.items()},
+               "round_costs_attended": engine.cost_reach.tolist(),
                "prefill_chunk_ms": 1e3 * engine.chunk_seconds,
                "long_prompt": {k: v for k, v in latency.items() if k != "runs"},
                "prefix": {k: v for k, v in reuse.items() if k != "first_token_s"}}

@@ -58,6 +58,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import re
 import sys
 import tempfile
 import time
@@ -440,6 +441,7 @@ def place_hf_tokens(tok, record: Record) -> None:
 def run_phase(server: Server, prompts: list[Prompt], load: Load, settings: Settings, tok) -> dict:
     """One measured phase: the load's requests to one server; its records, wall time and CPU use."""
     cpu_before = cpu_seconds(server)
+    rounds_before = rounds_by_k(server)
     began = time.perf_counter()
     if load.concurrency:
         records = asyncio.run(closed_loop(server, prompts, load.concurrency, settings.max_tokens))
@@ -454,7 +456,21 @@ def run_phase(server: Server, prompts: list[Prompt], load: Load, settings: Setti
             raise RuntimeError(f"config {server.config}: prompt {record.prompt} streamed {len(record.tokens)} token "
                                f"ids but its usage counts {record.completion_tokens}")
     cpu = None if cpu_before is None else {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
-    return {"config": server.config, "load": load.name, "wall_s": wall, "cpu_s": cpu, "records": records}
+    rounds = None
+    if rounds_before is not None:
+        after = rounds_by_k(server)
+        rounds = {k: n - rounds_before.get(k, 0) for k, n in after.items() if n - rounds_before.get(k, 0)}
+    return {"config": server.config, "load": load.name, "wall_s": wall, "cpu_s": cpu, "rounds_by_k": rounds,
+            "records": records}
+
+
+def rounds_by_k(server: Server) -> dict[str, float] | None:
+    """jaxmtp's decode rounds so far by k (its /metrics counter); None for HF's server."""
+    if server.is_hf:
+        return None
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^jaxmtp_speculative_rounds_total\{k="(\d+)"\} (\S+)$', text, re.MULTILINE)}
 
 
 # ----- CPU use (Linux's /proc), to show how busy the shared machine was during a phase -----

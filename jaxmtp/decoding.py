@@ -344,8 +344,10 @@ def prefill(static: Static, params, inputs: Inputs) -> DecodeState:
                        caches=carry.caches, drafts=carry.drafts, auto=auto, stats=Stats.zeros(batch, static.k), key=key)
 
 
-def _prefill_chunk(static: Static, params, inputs: Inputs, carry: _Prefilled, keys, start, chunk: int) -> _Prefilled:
-    """The prefill over prompt positions start..start + chunk - 1 of every row (see `prefill`)."""
+def _prefill_chunk(static: Static, params, inputs: Inputs, carry: _Prefilled, keys, start, chunk: int,
+                   draft: bool = True) -> _Prefilled:
+    """The prefill over prompt positions start..start + chunk - 1 of every row (see `prefill`);
+    without `draft`, the main model's only (the MTP cache and drafts are left as they are)."""
     batch, lengths, sampling = carry.seq.shape[0], inputs.lengths, inputs.sampling
     rows = jnp.arange(batch)
     positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
@@ -368,7 +370,7 @@ def _prefill_chunk(static: Static, params, inputs: Inputs, carry: _Prefilled, ke
         picked = _rows_at(hidden, jnp.clip(window - start, 0, chunk - 1))
         carry = carry.replace(main_hidden=jnp.where(inside[..., None], picked.astype(carry.main_hidden.dtype),
                                                     carry.main_hidden))
-    if static.k == 0:
+    if static.k == 0 or not draft:
         return carry
     # MTP slot p pairs h_p with t_{p+1}; the slot of the last prompt token pairs it with `first`.
     next_tokens = jax.lax.dynamic_slice_in_dim(seq, start + 1, chunk, axis=1)

@@ -3,6 +3,7 @@ whatever arrives beside it and whatever k the segments run; sampled requests in 
 follow the model's distribution (chi-square against full forward passes); prefix reuse gives the
 same tokens; cancellation, stop strings and a full queue behave."""
 
+import itertools
 import random
 import threading
 import time
@@ -81,15 +82,32 @@ def staggered(engine, prompts, limits, **fields):
     return collectors
 
 
-@pytest.mark.parametrize("k", ["auto", 2])
+@pytest.mark.parametrize("k", ["auto", 2, "switching"])
 def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, tokenizer, k):
+    """"switching": k flips between 0 and 2 every few milliseconds, so that prompts are prefilled
+    with and without the MTP pass and segments at k = 2 refill the rows that plain ones left behind."""
     prompts = corpus_prompts(tokenizer, 32)
     limits = [8 + (7 * i) % 33 for i in range(32)]
     reference = jaxmtp.generate(demo, prompts, max_new_tokens=max(limits)).tokens  # rows are independent
-    engine.force_k(None if k == "auto" else k)
+    before = dict(engine.snapshot()["rounds_by_k"])
+    engine.force_k(None if k == "auto" else 0 if k == "switching" else k)
+    finished = threading.Event()
+
+    def switch():
+        for i in itertools.count():
+            if finished.wait(0.003):
+                return
+            engine.force_k(2 * (i % 2))
+
+    switcher = threading.Thread(target=switch)
+    if k == "switching":
+        switcher.start()
     try:
         collectors = staggered(engine, prompts, limits)
     finally:
+        finished.set()
+        if switcher.is_alive():
+            switcher.join()
         engine.force_k(None)
     for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
         assert c.finish.finish_reason == "length", (i, c.finish)
@@ -99,6 +117,9 @@ def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, token
     assert snapshot["running"] == 0 and snapshot["waiting"] == 0
     if k in (1, 2):
         assert snapshot["rounds_by_k"].get(k, 0) > 0
+    if k == "switching":
+        ran = {j: n - before.get(j, 0) for j, n in snapshot["rounds_by_k"].items()}
+        assert ran.get(0, 0) > 0 and ran.get(2, 0) > 0
 
 
 def test_prefix_reuse_gives_the_same_tokens(engine, demo, tokenizer):
@@ -181,11 +202,15 @@ def test_sampled_requests_in_a_mixed_batch_follow_the_model():
     """Sampled rows beside greedy rows, every segment at k = 2: the first two tokens of 2,048
     sampled requests (the prefill's, and the first verify round's: an accepted draft or a draw from
     the residual) against the exact distribution from full forward passes; the greedy rows equal
-    plain greedy."""
+    plain greedy. Every other prompt is prefilled without the MTP pass (as while auto decodes
+    plainly), so that its first draft comes from the segment's refill of its row alone."""
     model = gm.model("partial", CONFIG, head_scale=0.25)
     samples, temperature, top_k, top_p, new = 2048, 1.0, 0, 0.9, 2
     engine = Engine(model, slots=32, buckets=(32,), max_len=32, prefill_chunk=16, segment_rounds=4,
-                    prefix_blocks=0, max_queue=8192, speculative_k=2).start()
+                    prefix_blocks=0, max_queue=8192, speculative_k=2)
+    engine.start()
+    drafting = itertools.cycle([True, False])  # one chunk per prompt here
+    engine._drafting = lambda: next(drafting)
     try:
         engine.force_k(2)
         greedy = jaxmtp.generate(model, [PROMPT], max_new_tokens=new).tokens[0]

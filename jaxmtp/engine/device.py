@@ -69,7 +69,7 @@ class Device:
         self.many = jax.process_count() > 1
         self.blocks = settings.static.cache_len // settings.chunk
         self.width = HEADER + max(self.s.static.cache_len + self.s.static.k + 1 + int(np.prod(self.s.stops)),
-                                  2 * self.blocks, self.s.slots)
+                                  2 * self.blocks, 2 * self.s.slots)
 
     # ----- lockstep -----
 
@@ -107,14 +107,15 @@ class Device:
             elif op == LOAD:
                 self.load(p[:self.blocks], int(h[0]))
             elif op == CHUNK:
-                self.chunk(int(h[0]), int(h[1]))
+                self.chunk(int(h[0]), int(h[1]), draft=bool(h[2]))
             elif op == INSERT:
                 self.insert(int(h[0]))
             elif op == STORE:
                 self.store(p[:self.blocks], p[self.blocks:2 * self.blocks])
             elif op == SEGMENT:
-                self.segment(greedy=bool(h[0]), bucket=int(h[1]), k=int(h[2]), rounds=int(h[3]), refill=bool(h[4]),
-                             early=bool(h[5]), halt=p[:self.s.slots].astype(bool))
+                self.segment(greedy=bool(h[0]), bucket=int(h[1]), k=int(h[2]), rounds=int(h[3]),
+                             refill=p[self.s.slots:2 * self.s.slots].astype(bool), early=bool(h[5]),
+                             halt=p[:self.s.slots].astype(bool))
             elif op == OCCUPY:
                 self.occupy(p[:self.s.slots].astype(bool), int(h[0]))
 
@@ -171,12 +172,13 @@ class Device:
         drafts = None if carry.drafts is None else carry.drafts.replace(cache=cached["mtp"])
         self.staging = self.staging.replace(carry=carry.replace(caches=cached["main"], drafts=drafts))
 
-    def chunk(self, start: int, size: int):
+    def chunk(self, start: int, size: int, *, draft: bool = True):
         """The staged prompt's prefill over positions start..start + size - 1 (size: the prefill
         chunk, or a smaller one for a prompt's last positions; start + the prefill chunk must fit
-        the cache, as it does where start is a multiple of it)."""
-        self._send(CHUNK, (start, size))
-        self.staging = programs.stage_chunk(self.s.static, size, self.s.params, self.staging, jnp.int32(start))
+        the cache, as it does where start is a multiple of it); the MTP pass too with `draft`."""
+        self._send(CHUNK, (start, size, int(draft)))
+        self.staging = programs.stage_chunk(self.s.static, size, draft, self.s.params, self.staging,
+                                            jnp.int32(start))
 
     def insert(self, slot: int) -> tuple[int, float, bool]:
         """The staged request into `slot` -> (its first token, that token's log-probability, done)."""
@@ -193,14 +195,15 @@ class Device:
         self.pool = programs.store_blocks(self.pool, self._cached(), jnp.asarray(blocks, jnp.int32),
                                           jnp.asarray(entries, jnp.int32))
 
-    def segment(self, *, greedy: bool, bucket: int, k: int, rounds: int, refill: bool, early: bool,
+    def segment(self, *, greedy: bool, bucket: int, k: int, rounds: int, refill: np.ndarray, early: bool,
                 halt: np.ndarray) -> programs.Report:
-        """A decode segment (programs.segment) -> its report as numpy arrays."""
-        self._send(SEGMENT, (int(greedy), bucket, k, rounds, int(refill), int(early)), halt.astype(np.int32))
+        """A decode segment (programs.segment; refill and halt [slots] bool) -> its report as numpy arrays."""
+        self._send(SEGMENT, (int(greedy), bucket, k, rounds, 0, int(early)),
+                   np.concatenate([halt, refill]).astype(np.int32))
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
         self.state, self.params, report = programs.segment(
             static, bucket, self.s.window, self.s.params, self.state, self.params, jnp.int32(k), jnp.int32(rounds),
-            jnp.bool_(refill), jnp.asarray(halt), jnp.bool_(early))
+            jnp.asarray(refill, bool), jnp.asarray(halt), jnp.bool_(early))
         return _fetch(report)
 
     def compile_segment(self, *, greedy: bool, bucket: int):
@@ -209,7 +212,7 @@ class Device:
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
         halt = jnp.zeros((self.s.slots,), bool)
         programs.segment.lower(static, bucket, self.s.window, self.s.params, self.state, self.params, jnp.int32(0),
-                               jnp.int32(1), jnp.bool_(False), halt, jnp.bool_(False)).compile()
+                               jnp.int32(1), halt, halt, jnp.bool_(False)).compile()
 
     def occupy(self, rows: np.ndarray, position: int):
         """Calibration: rows [slots] run from `position` without limit (programs.occupy)."""

@@ -43,9 +43,10 @@ from jaxmtp.engine import device, programs
 from jaxmtp.engine.requests import Event, Handle, NotAdmitting, QueueFull, Request
 from jaxmtp.errors import InputError
 from jaxmtp.generation import MAX_SPECULATIVE_K, auto_max_k
+from jaxmtp.layout import prefix_lengths
 from jaxmtp.model import Model
 
-TIMED_REPEATS = 5  # timed segments per (mode, bucket, k) at start
+TIMED_REPEATS = 3  # timed segments per (mode, bucket, position, k) at start
 IDLE_SECONDS = 5.0  # an idle engine's heartbeat to the other processes
 # While a prompt is being prefilled, a segment runs up to this many times segment_rounds rounds, so
 # that a prefill chunk that takes longer than prefill_share of a segment is spread over more rounds.
@@ -281,7 +282,9 @@ class Engine:
         self.chunk_seconds = 0.0  # a prefill chunk's time, measured at start
         self._forced: int | None = None
         self.max_len, self.slots = c.max_len, c.slots
-        self.costs: dict[str, dict[int, np.ndarray]] = {}  # mode -> bucket -> seconds per round at k
+        # mode -> bucket -> seconds per round [calibration positions, k]; the cache positions their rounds attended
+        self.costs: dict[str, dict[int, np.ndarray]] = {}
+        self.cost_reach = np.zeros(0, np.int64)
         self._chooser = Chooser(max(self.k_max, 1), c.slots, c.hysteresis)
         self._prefix = PrefixStore(c.prefix_blocks, chunk) if c.prefix_blocks else None
         self._device = device.Device(device.Settings(
@@ -298,6 +301,10 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._segment_k = 0
+        # Slots whose drafts are stale: their last segment ran at k = 0, or their prefill skipped
+        # the MTP pass; a segment at k > 0 refills them first.
+        self._stale = np.zeros((c.slots,), bool)
+        self._drafted = True  # whether the staged prompt's last chunk ran the MTP pass
         self._segment_seconds = 1.0  # the last segment's time, per segment_rounds rounds
         self._chunk_seconds = 0.0  # the last prefill chunk's time
         self._last_rounds = c.segment_rounds
@@ -333,7 +340,8 @@ class Engine:
 
     def _calibrate(self):
         """Runs a staged request through every program (compiling them), then times segments of
-        every bucket's rows at each k (modes and buckets interleaved, TIMED_REPEATS each; the median)."""
+        every bucket's rows at each k from each of `_calibration_positions` (interleaved,
+        TIMED_REPEATS each; the median)."""
         self._progress(f"compiling the serving programs ({len(self.modes())} modes x {len(self.buckets)} batch buckets, "
                        f"k = 0..{self.k_max})")
         began = time.perf_counter()
@@ -348,7 +356,8 @@ class Engine:
             self._store_blocks([], [])
             device.load(np.zeros((device.blocks,), np.int32), 0)
         for size in self.chunk_sizes:  # each chunk program compiled
-            device.chunk(0, size)
+            for draft in (True, False) if self.k_max else (True,):
+                device.chunk(0, size, draft=draft)
         chunk_times = []
         for _ in range(TIMED_REPEATS):
             device.ready()
@@ -357,29 +366,61 @@ class Engine:
             device.ready()
             chunk_times.append(time.perf_counter() - began_chunk)
         self.chunk_seconds = statistics.median(chunk_times)
-        position = min(self.max_len // 4, 256)
         ks = range(self.k_max + 1)
-        times = {(m, b, k): [] for m in self.modes() for b in self.buckets for k in ks}
+        positions = self._calibration_positions()
+        times = {(m, b, p, k): [] for m in self.modes() for b in self.buckets for p in positions for k in ks}
         for repeat in range(TIMED_REPEATS + 1):
             if repeat == 1:
                 self._progress(f"compiled in {time.perf_counter() - began:.1f} s; measuring a round's cost at each k "
-                               "for each batch bucket")
-            for (mode, bucket, k), seconds in times.items():
+                               f"for each batch bucket, from positions {', '.join(map(str, positions))}")
+            for (mode, bucket, position, k), seconds in times.items():
                 rows = np.arange(self.slots) < bucket
                 device.occupy(rows, position)
                 device.ready()
                 began_segment = time.perf_counter()
                 device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=self.config.segment_rounds,
-                               refill=False, early=False, halt=~rows)
+                               refill=np.zeros_like(rows), early=False, halt=~rows)
                 if repeat:  # the first pass compiles
                     seconds.append((time.perf_counter() - began_segment) / self.config.segment_rounds)
+        self.cost_reach = np.array([self._attended(p + self.config.segment_rounds * (self.k_max + 1)) for p in positions])
         for mode in self.modes():
-            self.costs[mode] = {b: np.array([statistics.median(times[mode, b, k]) for k in ks]) for b in self.buckets}
-        self._segment_seconds = self.config.segment_rounds * float(self.costs["greedy"][self.buckets[0]][0])
+            self.costs[mode] = {b: np.array([[statistics.median(times[mode, b, p, k]) for k in ks] for p in positions])
+                                for b in self.buckets}
+        self._segment_seconds = self.config.segment_rounds * float(self.costs["greedy"][self.buckets[0]][0, 0])
         self._progress(f"a prefill chunk of {self.config.prefill_chunk} positions: {1e3 * self.chunk_seconds:.2f} ms; "
                        "round costs (ms per round at k = 0..): " + "; ".join(
-            f"{m} batch {b}: " + " ".join(f"{1e3 * s:.2f}" for s in self.costs[m][b]) for m in self.modes()
-            for b in self.buckets))
+            f"{m} batch {b} from {p}: " + " ".join(f"{1e3 * s:.2f}" for s in self.costs[m][b][i])
+            for m in self.modes() for b in self.buckets for i, p in enumerate(positions)))
+
+    def _attended(self, position: int) -> int:
+        """Cache positions a round attends over when its furthest row is at `position`: the
+        shortest prefix holding it with layout.prefix_attention, else the whole cache."""
+        lengths = np.array(prefix_lengths(self.static.cache_len) if self.static.layout.prefix_attention
+                           else (self.static.cache_len,))
+        return int(lengths[min(np.searchsorted(lengths, position, side="right"), len(lengths) - 1)])
+
+    def _calibration_positions(self) -> tuple[int, ...]:
+        """Where calibration's rows start: early in the shortest attended prefix and, where rounds
+        can attend over a longer one, late enough that they attend over the whole cache."""
+        advance = self.config.segment_rounds * (self.k_max + 1)
+        early = min(self.max_len // 4, max(self._attended(0) - advance - 1, 0))
+        late = self.max_len - advance - 1
+        if late <= early or self._attended(late) == self._attended(early + advance):
+            return (early,)
+        return (early, late)
+
+    def round_costs(self, mode: str, bucket: int, furthest: int) -> np.ndarray:
+        """Seconds per round at k = 0..k_max [k_max + 1] for `bucket` rows whose furthest is at
+        position `furthest` (a segment's rounds attend over more of the cache as they go): the
+        calibrated costs interpolated in the cache positions attended (attention's share of a
+        round grows with them)."""
+        table = self.costs[mode][bucket]  # [positions, k + 1]
+        reach = np.array([self._attended(furthest + self.config.segment_rounds * (k + 1) // 2)
+                          for k in range(table.shape[1])])
+        if len(self.cost_reach) == 1 or self.cost_reach[-1] == self.cost_reach[0]:
+            return table[0]
+        share = (reach - self.cost_reach[0]) / (self.cost_reach[-1] - self.cost_reach[0])
+        return table[0] + np.clip(share, 0.0, 1.0) * (table[-1] - table[0])
 
     def _compile_ahead(self):
         """The segment programs (the largest) compiled side by side in threads (XLA compiles
@@ -661,18 +702,32 @@ class Engine:
                 staged.start = staged.cached = len(entries) * chunk
         self._staged = staged
 
+    def _drafting(self) -> bool:
+        """Whether prefill chunks run the MTP pass now: not while auto decodes plainly (k = 0), where
+        it would add to every chunk for drafts that no round reads. A prompt prefilled without it
+        drafts from a refill (its last AUTO_SEGMENT positions) once speculation resumes; for its
+        earlier positions the MTP layer's cache holds what the slot's last request left, which can
+        lower its acceptance, never change its output."""
+        if not self.k_max:
+            return False
+        if self._forced is not None:
+            return self._forced > 0
+        return not self.auto or self._chooser.k != 0
+
     def _stage_step(self):
         """One prefill chunk of the staged request (the smallest of chunk_sizes that holds what is
         left, else a whole chunk); after its last, the request takes its slot."""
         staged = self._staged
         left = staged.last - staged.start + 1
         size = next((size for size in self.chunk_sizes if size >= left), self.config.prefill_chunk)
-        self._device.chunk(staged.start, size)
+        self._drafted = self._drafting()
+        self._device.chunk(staged.start, size, draft=self._drafted)
         staged.start += size
         if staged.start <= staged.last:
             return
         self._staged = None
         token, logprob, done = self._device.insert(staged.slot)
+        self._stale[staged.slot] = not self._drafted
         if staged.handle.id < 0:  # calibration's request
             return
         self._store_prefix(staged)
@@ -732,10 +787,11 @@ class Engine:
         if self._forced is not None:
             k = self._forced
         elif self.auto:
-            k = self._chooser.choose(live, self.costs[mode][bucket])
+            furthest = max(self._running[s].prompt_len + self._running[s].delivered for s in live)
+            k = self._chooser.choose(live, self.round_costs(mode, bucket, furthest))
         else:
             k = self.k_max
-        refill = self.k_max > 0 and k > 0 and self._segment_k == 0
+        refill = self._stale & (k > 0)
         with self._lock:
             early = bool(self._waiting or self._inbox) and len(live) == self.slots
         halt = np.array([r is None for r in self._running])
@@ -748,6 +804,7 @@ class Engine:
         report = self._device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=rounds, refill=refill,
                                       early=early, halt=halt)
         self._segment_k = k
+        self._stale[live] = k == 0  # rounds at k = 0 leave the MTP state behind; at k > 0 it is current
         self.counters["segments_total"] += 1
         batch_rounds = 0
         for slot in live:

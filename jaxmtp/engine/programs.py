@@ -128,14 +128,17 @@ def stage_begin(static: Static, staging: Staging, seq, inputs: Inputs) -> Stagin
     return Staging(carry=staging.carry.replace(seq=seq), inputs=inputs)
 
 
-@partial(jax.jit, static_argnums=(0, 1), donate_argnames="staging")
-def stage_chunk(static: Static, chunk: int, params, staging: Staging, start) -> Staging:
+@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="staging")
+def stage_chunk(static: Static, chunk: int, draft: bool, params, staging: Staging, start) -> Staging:
     """The prefill over staged prompt positions start..start + chunk - 1 (jaxmtp.decoding's chunk:
-    main pass, MTP pass, and the first token in the chunk that holds the last prompt position)."""
+    main pass, MTP pass unless not `draft`, and the first token in the chunk that holds the last
+    prompt position). Without the MTP pass the request's d1 is not drafted: its slot needs a refill
+    (see `segment`) before a round at k > 0."""
     context_mesh(params, "engine.stage_chunk")
     _, token_key, draft_key = jax.random.split(staging.inputs.key, 3)
     with jax.named_scope("stage_chunk"):
-        carry = _prefill_chunk(static, params, staging.inputs, staging.carry, (token_key, draft_key), start, chunk)
+        carry = _prefill_chunk(static, params, staging.inputs, staging.carry, (token_key, draft_key), start, chunk,
+                               draft)
     return staging.replace(carry=carry)
 
 
@@ -189,8 +192,9 @@ def segment(static: Static, bucket: int, window: int, params, state: DecodeState
             rounds, refill, halt, early):
     """Up to `rounds` rounds at k (traced, 0..static.k) on rows 0..bucket - 1; fewer once every row
     is done, or with `early` once a row that was running finishes (requests wait for its slot).
-    refill: the MTP slots of the last AUTO_SEGMENT positions are written and d1 drafted afresh
-    first (the segment before ran at k = 0). halt [B]: rows the host ended (or free), done before
+    refill [B]: rows whose MTP slots of the last AUTO_SEGMENT positions are written and d1 drafted
+    afresh first, where k > 0 (their last segment ran at k = 0, or their prefill skipped the MTP
+    pass); every row's key is split when any row refills. halt [B]: rows the host ended (or free), done before
     the first round. static.mode: GREEDY (every live row greedy) or MIXED.
 
     Returns (state, slot_params, Report of the bucket's rows with M = window)."""
@@ -202,14 +206,21 @@ def segment(static: Static, bucket: int, window: int, params, state: DecodeState
         probs = sub.drafts.probs
         sub = sub.replace(drafts=sub.drafts.replace(probs=None))
     t = sub.tokens
-    started_done = t.done | halt[:bucket]
-    sub = sub.replace(tokens=t.replace(done=started_done))
+    halted = halt[:bucket]
+    started_done = t.done | halted
+    # Halted rows (free, or ended by the host) restart from position 0, so that the attention's
+    # prefix (layout.prefix_attention: the shortest holding every row's position) follows the live rows.
+    sub = sub.replace(tokens=t.replace(done=started_done, n=jnp.where(halted, 0, t.n)))
     if static.k:
+        stale = refill[:bucket] & ~started_done
+
         def refilled(sub):
             keys = jax.vmap(jax.random.split)(sub.key)  # [b, 2]
-            return sub.replace(key=keys[:, 0], drafts=refill_drafts(static, params, sub, inputs.sampling, keys[:, 1]))
+            fresh = refill_drafts(static, params, sub, inputs.sampling, keys[:, 1])
+            pick = lambda new, old: jnp.where(stale.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+            return sub.replace(key=keys[:, 0], drafts=jax.tree.map(pick, fresh, sub.drafts))
 
-        sub = jax.lax.cond(refill & (k > 0), refilled, lambda sub: sub, sub)
+        sub = jax.lax.cond(jnp.any(stale) & (k > 0), refilled, lambda sub: sub, sub)
     with jax.named_scope("segment"):
         for j in range(static.k + 1):
             def step(carry, j=j):
