@@ -51,6 +51,8 @@ IDLE_SECONDS = 5.0  # an idle engine's heartbeat to the other processes
 # While a prompt is being prefilled, a segment runs up to this many times segment_rounds rounds, so
 # that a prefill chunk that takes longer than prefill_share of a segment is spread over more rounds.
 PREFILL_SPREAD = 4
+COST_SEGMENTS = 16  # measured segments kept per (mode, bucket, k) to scale calibrated costs by
+COST_SEGMENTS_TRUSTED = 3  # and how many must have run before they do
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +307,7 @@ class Engine:
         # the MTP pass; a segment at k > 0 refills them first.
         self._stale = np.zeros((c.slots,), bool)
         self._drafted = True  # whether the staged prompt's last chunk ran the MTP pass
+        self._cost_ratios = collections.defaultdict(lambda: collections.deque(maxlen=COST_SEGMENTS))  # _learn_cost
         self._segment_seconds = 1.0  # the last segment's time, per segment_rounds rounds
         self._chunk_seconds = 0.0  # the last prefill chunk's time
         self._last_rounds = c.segment_rounds
@@ -702,6 +705,20 @@ class Engine:
                 staged.start = staged.cached = len(entries) * chunk
         self._staged = staged
 
+    def _learn_cost(self, mode: str, bucket: int, k: int, ratio: float):
+        """A segment's measured seconds per round over the calibrated prediction, kept per (mode,
+        bucket, k), the last COST_SEGMENTS of them; only segments that ran at least half the rounds
+        asked of them without a refill count, much as calibration's ran. Auto scales each k's
+        calibrated cost by their median once COST_SEGMENTS_TRUSTED have run (1 before): under
+        serving (rows at other positions, the server's own threads on the same cores) rounds cost
+        more than calibration measured, and more so at some k than at others."""
+        self._cost_ratios[mode, bucket, k].append(ratio)
+
+    def _cost_scales(self, mode: str, bucket: int) -> np.ndarray:
+        """Each k's scale of the calibrated cost [k_max + 1] (see _learn_cost)."""
+        ratios = [self._cost_ratios[mode, bucket, k] for k in range(self.k_max + 1)]
+        return np.array([statistics.median(r) if len(r) >= COST_SEGMENTS_TRUSTED else 1.0 for r in ratios])
+
     def _drafting(self) -> bool:
         """Whether prefill chunks run the MTP pass now: not while auto decodes plainly (k = 0), where
         it would add to every chunk for drafts that no round reads. A prompt prefilled without it
@@ -784,47 +801,55 @@ class Engine:
         mode = "greedy" if all(self._running[s].greedy for s in live) else "mixed"
         if not self.config.sampling:
             mode = "greedy"
+        furthest = max(self._running[s].prompt_len + self._running[s].delivered for s in live)
+        predicted = self.round_costs(mode, bucket, furthest)
         if self._forced is not None:
             k = self._forced
         elif self.auto:
-            furthest = max(self._running[s].prompt_len + self._running[s].delivered for s in live)
-            k = self._chooser.choose(live, self.round_costs(mode, bucket, furthest))
+            k = self._chooser.choose(live, predicted * self._cost_scales(mode, bucket))
         else:
             k = self.k_max
         refill = self._stale & (k > 0)
         with self._lock:
             early = bool(self._waiting or self._inbox) and len(live) == self.slots
-        halt = np.array([r is None for r in self._running])
         rounds = self.config.segment_rounds
         if self._staged is not None:  # a prompt is being prefilled between segments: its chunks take at
             # most prefill_share of a segment, the segment made longer where a chunk takes more
             share = self.config.prefill_share * self._segment_seconds / self.config.segment_rounds
             rounds = int(np.clip(np.ceil(self._chunk_seconds / share), rounds, self.max_rounds))
         self._last_rounds = rounds
+        self._device.ready()  # the segment's time alone, not that of copies still running before it
+        began = time.perf_counter()
         report = self._device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=rounds, refill=refill,
-                                      early=early, halt=halt)
+                                      early=early, halt=np.array([r is None for r in self._running]))
+        seconds = time.perf_counter() - began
         self._segment_k = k
         self._stale[live] = k == 0  # rounds at k = 0 leave the MTP state behind; at k > 0 it is current
         self.counters["segments_total"] += 1
-        batch_rounds = 0
-        for slot in live:
-            running = self._running[slot]
-            if running is None:
-                continue
-            rounds = int(report.rounds[slot]) - running.rounds
-            accepted_at = report.accepted_at[slot].astype(np.int64)
-            gained = accepted_at - running.accepted_at if self.k_max else accepted_at
-            running.rounds, running.accepted_at = int(report.rounds[slot]), accepted_at
-            batch_rounds = max(batch_rounds, rounds)
-            if self.auto:
-                self._chooser.record(slot, k, rounds, gained)
-            self.counters["drafted_total"] += k * rounds
-            self.counters["accepted_total"] += int(gained[:k].sum()) if k else 0
-            new = int(report.count[slot]) - running.delivered
-            tokens = report.recent[slot, self.window - new:].tolist() if new > 0 else []
-            logprobs = report.recent_logprobs[slot, self.window - new:].tolist() if new > 0 else []
-            self._deliver(slot, tokens, logprobs, bool(report.done[slot]))
-        self.rounds_by_k[k] += batch_rounds
+        ran = max(self._account(slot, k, report) for slot in live)
+        self.rounds_by_k[k] += ran
+        if 2 * ran >= rounds and not refill.any():  # a segment much like calibration's
+            self._learn_cost(mode, bucket, k, seconds / ran / predicted[k])
         if self.auto and k == 0:
-            self._chooser.idle(batch_rounds)
+            self._chooser.idle(ran)
+
+    def _account(self, slot: int, k: int, report: programs.Report) -> int:
+        """A live slot's part of a segment's report: its acceptance counted, its new tokens
+        delivered. -> the rounds it ran."""
+        running = self._running[slot]
+        if running is None:
+            return 0
+        rounds = int(report.rounds[slot]) - running.rounds
+        accepted_at = report.accepted_at[slot].astype(np.int64)
+        gained = accepted_at - running.accepted_at if self.k_max else accepted_at
+        running.rounds, running.accepted_at = int(report.rounds[slot]), accepted_at
+        if self.auto:
+            self._chooser.record(slot, k, rounds, gained)
+        self.counters["drafted_total"] += k * rounds
+        self.counters["accepted_total"] += int(gained[:k].sum()) if k else 0
+        new = int(report.count[slot]) - running.delivered
+        tokens = report.recent[slot, self.window - new:].tolist() if new > 0 else []
+        logprobs = report.recent_logprobs[slot, self.window - new:].tolist() if new > 0 else []
+        self._deliver(slot, tokens, logprobs, bool(report.done[slot]))
+        return rounds
 
