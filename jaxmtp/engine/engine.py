@@ -51,6 +51,7 @@ IDLE_SECONDS = 5.0  # an idle engine's heartbeat to the other processes
 # While a prompt is being prefilled, a segment runs up to this many times segment_rounds rounds, so
 # that a prefill chunk that takes longer than prefill_share of a segment is spread over more rounds.
 PREFILL_SPREAD = 4
+BUSY_DECAY = 0.95  # per segment, of the recent prefill and decode seconds that _prefill_overhead weighs
 COST_SEGMENTS = 16  # measured segments kept per (mode, bucket, k) to scale calibrated costs by
 COST_SEGMENTS_TRUSTED = 3  # and how many must have run before they do
 
@@ -282,6 +283,7 @@ class Engine:
         self.max_rounds = c.segment_rounds * PREFILL_SPREAD
         self.window = self.max_rounds * (self.k_max + 1) + 1
         self.chunk_seconds = 0.0  # a prefill chunk's time, measured at start
+        self.draft_share = 0.0  # the share of that time that the MTP pass takes
         self._forced: int | None = None
         self.max_len, self.slots = c.max_len, c.slots
         # mode -> bucket -> seconds per round [calibration positions, k]; the cache positions their rounds attended
@@ -307,6 +309,7 @@ class Engine:
         # the MTP pass; a segment at k > 0 refills them first.
         self._stale = np.zeros((c.slots,), bool)
         self._drafted = True  # whether the staged prompt's last chunk ran the MTP pass
+        self._busy = {"prefill": 0.0, "decode": 0.0}  # recent seconds of each, decaying (see _prefill_overhead)
         self._cost_ratios = collections.defaultdict(lambda: collections.deque(maxlen=COST_SEGMENTS))  # _learn_cost
         self._segment_seconds = 1.0  # the last segment's time, per segment_rounds rounds
         self._chunk_seconds = 0.0  # the last prefill chunk's time
@@ -361,14 +364,17 @@ class Engine:
         for size in self.chunk_sizes:  # each chunk program compiled
             for draft in (True, False) if self.k_max else (True,):
                 device.chunk(0, size, draft=draft)
-        chunk_times = []
+        chunk_times = {True: [], False: []}
         for _ in range(TIMED_REPEATS):
-            device.ready()
-            began_chunk = time.perf_counter()
-            device.chunk(0, self.config.prefill_chunk)
-            device.ready()
-            chunk_times.append(time.perf_counter() - began_chunk)
-        self.chunk_seconds = statistics.median(chunk_times)
+            for draft in chunk_times if self.k_max else (True,):
+                device.ready()
+                began_chunk = time.perf_counter()
+                device.chunk(0, self.config.prefill_chunk, draft=draft)
+                device.ready()
+                chunk_times[draft].append(time.perf_counter() - began_chunk)
+        self.chunk_seconds = statistics.median(chunk_times[True])
+        if self.k_max:  # the MTP pass's share of a prefill chunk
+            self.draft_share = max(0.0, 1.0 - statistics.median(chunk_times[False]) / self.chunk_seconds)
         ks = range(self.k_max + 1)
         positions = self._calibration_positions()
         times = {(m, b, p, k): [] for m in self.modes() for b in self.buckets for p in positions for k in ks}
@@ -613,6 +619,7 @@ class Engine:
             self._device.ready()
             self._chunk_seconds = time.perf_counter() - began
             spent += self._chunk_seconds
+            self._busy["prefill"] += self._chunk_seconds
         if any(self._running):
             began = time.perf_counter()
             self._decode()
@@ -714,6 +721,13 @@ class Engine:
         more than calibration measured, and more so at some k than at others."""
         self._cost_ratios[mode, bucket, k].append(ratio)
 
+    def _prefill_overhead(self) -> float:
+        """What speculating adds to each second of decoding in prefill: prompts are prefilled with
+        the MTP pass while k > 0 (see _drafting), which takes draft_share of a chunk, and the engine
+        has recently spent this many seconds prefilling per second decoding. Where prompts are
+        long against the tokens generated, speculation must gain that much in its rounds to pay."""
+        return self.draft_share * self._busy["prefill"] / max(self._busy["decode"], 1e-9)
+
     def _cost_scales(self, mode: str, bucket: int) -> np.ndarray:
         """Each k's scale of the calibrated cost [k_max + 1] (see _learn_cost)."""
         ratios = [self._cost_ratios[mode, bucket, k] for k in range(self.k_max + 1)]
@@ -806,7 +820,9 @@ class Engine:
         if self._forced is not None:
             k = self._forced
         elif self.auto:
-            k = self._chooser.choose(live, predicted * self._cost_scales(mode, bucket))
+            costs = predicted * self._cost_scales(mode, bucket)
+            costs[1:] *= 1 + self._prefill_overhead()
+            k = self._chooser.choose(live, costs)
         else:
             k = self.k_max
         refill = self._stale & (k > 0)
@@ -823,6 +839,8 @@ class Engine:
         report = self._device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=rounds, refill=refill,
                                       early=early, halt=np.array([r is None for r in self._running]))
         seconds = time.perf_counter() - began
+        self._busy = {name: BUSY_DECAY * spent for name, spent in self._busy.items()}
+        self._busy["decode"] += seconds
         self._segment_k = k
         self._stale[live] = k == 0  # rounds at k = 0 leave the MTP state behind; at k > 0 it is current
         self.counters["segments_total"] += 1
