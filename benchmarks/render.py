@@ -11,6 +11,7 @@ thus make the page stale once per result; rendering again is part of such a chan
 """
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -420,7 +421,28 @@ def serving_result(result: dict, name: str) -> str:
             "(the kernel counts a process's time and the machine's apart).\n\n"
             + table(["config", "load", "output tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)",
                      "ITL p99 (ms)", "tokens/chunk", "other cores"], rows)
-            + "\n\n" + _greedy_line(f) + "\n\n" + source(result, name) + "\n")
+            + "\n\n" + _auto_line(result) + _greedy_line(f) + "\n\n" + source(result, name) + "\n")
+
+
+def _auto_line(result: dict) -> str:
+    """Auto's tokens/s over the best fixed setting's at each load, and the rounds it ran at each k
+    (where the results hold them); '' without auto or with no fixed setting beside it."""
+    rows = result["figures"]["rows"]
+    fixed = [r for r in rows if r["config"] == "plain" or r["config"][1:].isdigit()]
+    parts = []
+    for auto in (r for r in rows if r["config"] == "auto"):
+        peers = [r for r in fixed if r["load"] == auto["load"]]
+        if not peers:
+            continue
+        best = max(peers, key=lambda r: r["output_tokens_per_s"])
+        rounds = collections.Counter()
+        for phase in result.get("raw", {}).get("phases", []):
+            if phase["config"] == "auto" and phase["load"] == auto["load"] and phase.get("rounds_by_k"):
+                rounds.update({int(k): n for k, n in phase["rounds_by_k"].items()})
+        ran = "; rounds at k = " + ", ".join(f"{k}: {rounds[k]:.0f}" for k in sorted(rounds)) if rounds else ""
+        parts.append(f"{auto['load']} {auto['output_tokens_per_s'] / best['output_tokens_per_s']:.2f} of "
+                     f"{best['config']}{ran}")
+    return "Auto against the fastest of plain and fixed k: " + "; ".join(parts) + ".\n\n" if parts else ""
 
 
 def serving_section() -> str:
