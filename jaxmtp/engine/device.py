@@ -114,7 +114,7 @@ class Device:
                 self.store(p[:self.blocks], p[self.blocks:2 * self.blocks])
             elif op == SEGMENT:
                 self.segment(greedy=bool(h[0]), bucket=int(h[1]), k=int(h[2]), rounds=int(h[3]),
-                             refill=p[self.s.slots:2 * self.s.slots].astype(bool), early=bool(h[5]),
+                             refill=p[self.s.slots:2 * self.s.slots].astype(bool), early=bool(h[4]),
                              halt=p[:self.s.slots].astype(bool))
             elif op == OCCUPY:
                 self.occupy(p[:self.s.slots].astype(bool), int(h[0]))
@@ -198,7 +198,7 @@ class Device:
     def segment(self, *, greedy: bool, bucket: int, k: int, rounds: int, refill: np.ndarray, early: bool,
                 halt: np.ndarray) -> programs.Report:
         """A decode segment (programs.segment; refill and halt [slots] bool) -> its report as numpy arrays."""
-        self._send(SEGMENT, (int(greedy), bucket, k, rounds, 0, int(early)),
+        self._send(SEGMENT, (int(greedy), bucket, k, rounds, int(early)),
                    np.concatenate([halt, refill]).astype(np.int32))
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
         self.state, self.params, report = programs.segment(

@@ -277,6 +277,8 @@ class Engine:
         self.static = Static(model.config, self.model.dtype, self.k_max, programs.MIXED, cache_len, self.model.layout,
                              auto=True, logprobs=True, prefill_chunk=chunk)
         self.buckets = c.bucket_sizes()
+        # The cache prefixes a round can attend over (see _attended).
+        self._prefixes = np.array(prefix_lengths(cache_len) if self.model.layout.prefix_attention else (cache_len,))
         # A prompt's last positions run in a chunk of a half or a quarter of prefill_chunk where
         # they fit one (multiples of 16), instead of a whole chunk of padding.
         self.chunk_sizes = tuple(size for size in (chunk // 4, chunk // 2, chunk) if size >= 16 and size % 16 == 0)
@@ -308,7 +310,6 @@ class Engine:
         # Slots whose drafts are stale: their last segment ran at k = 0, or their prefill skipped
         # the MTP pass; a segment at k > 0 refills them first.
         self._stale = np.zeros((c.slots,), bool)
-        self._drafted = True  # whether the staged prompt's last chunk ran the MTP pass
         self._busy = {"prefill": 0.0, "decode": 0.0}  # recent seconds of each, decaying (see _prefill_overhead)
         self._cost_ratios = collections.defaultdict(lambda: collections.deque(maxlen=COST_SEGMENTS))  # _learn_cost
         self._segment_seconds = 1.0  # the last segment's time, per segment_rounds rounds
@@ -404,17 +405,17 @@ class Engine:
     def _attended(self, position: int) -> int:
         """Cache positions a round attends over when its furthest row is at `position`: the
         shortest prefix holding it with layout.prefix_attention, else the whole cache."""
-        lengths = np.array(prefix_lengths(self.static.cache_len) if self.static.layout.prefix_attention
-                           else (self.static.cache_len,))
+        lengths = self._prefixes
         return int(lengths[min(np.searchsorted(lengths, position, side="right"), len(lengths) - 1)])
 
     def _calibration_positions(self) -> tuple[int, ...]:
-        """Where calibration's rows start: early in the shortest attended prefix and, where rounds
-        can attend over a longer one, late enough that they attend over the whole cache."""
+        """Where calibration's rows start: early in the shortest attended prefix and, with auto
+        (the only reader of the costs) where rounds can attend over a longer one, late enough that
+        they attend over the whole cache."""
         advance = self.config.segment_rounds * (self.k_max + 1)
         early = min(self.max_len // 4, max(self._attended(0) - advance - 1, 0))
         late = self.max_len - advance - 1
-        if late <= early or self._attended(late) == self._attended(early + advance):
+        if not self.auto or late <= early or self._attended(late) == self._attended(early + advance):
             return (early,)
         return (early, late)
 
@@ -751,14 +752,14 @@ class Engine:
         staged = self._staged
         left = staged.last - staged.start + 1
         size = next((size for size in self.chunk_sizes if size >= left), self.config.prefill_chunk)
-        self._drafted = self._drafting()
-        self._device.chunk(staged.start, size, draft=self._drafted)
+        drafted = self._drafting()
+        self._device.chunk(staged.start, size, draft=drafted)
         staged.start += size
         if staged.start <= staged.last:
             return
         self._staged = None
         token, logprob, done = self._device.insert(staged.slot)
-        self._stale[staged.slot] = not self._drafted
+        self._stale[staged.slot] = not drafted  # the last chunk drafted the first draft, or not
         if staged.handle.id < 0:  # calibration's request
             return
         self._store_prefix(staged)
@@ -815,8 +816,10 @@ class Engine:
         mode = "greedy" if all(self._running[s].greedy for s in live) else "mixed"
         if not self.config.sampling:
             mode = "greedy"
-        furthest = max(self._running[s].prompt_len + self._running[s].delivered for s in live)
-        predicted = self.round_costs(mode, bucket, furthest)
+        predicted = None
+        if self.auto:  # what auto chooses from, and learns from below
+            furthest = max(self._running[s].prompt_len + self._running[s].delivered for s in live)
+            predicted = self.round_costs(mode, bucket, furthest)
         if self._forced is not None:
             k = self._forced
         elif self.auto:
@@ -846,7 +849,7 @@ class Engine:
         self.counters["segments_total"] += 1
         ran = max(self._account(slot, k, report) for slot in live)
         self.rounds_by_k[k] += ran
-        if 2 * ran >= rounds and not refill.any():  # a segment much like calibration's
+        if predicted is not None and 2 * ran >= rounds and not refill.any():  # much like calibration's segments
             self._learn_cost(mode, bucket, k, seconds / ran / predicted[k])
         if self.auto and k == 0:
             self._chooser.idle(ran)

@@ -194,8 +194,8 @@ def segment(static: Static, bucket: int, window: int, params, state: DecodeState
     is done, or with `early` once a row that was running finishes (requests wait for its slot).
     refill [B]: rows whose MTP slots of the last AUTO_SEGMENT positions are written and d1 drafted
     afresh first, where k > 0 (their last segment ran at k = 0, or their prefill skipped the MTP
-    pass); every row's key is split when any row refills. halt [B]: rows the host ended (or free), done before
-    the first round. static.mode: GREEDY (every live row greedy) or MIXED.
+    pass); every row's key is split when any row refills. halt [B]: rows the host ended (or free),
+    done before the first round. static.mode: GREEDY (every live row greedy) or MIXED.
 
     Returns (state, slot_params, Report of the bucket's rows with M = window)."""
     context_mesh(params, "engine.segment")
