@@ -29,6 +29,7 @@ class MLP(nn.Module):
     dtype: Dtype = jnp.float32
     axis: str = "mlp"
     layout: Layout = CHECKPOINT
+    swiglu_limit: float | None = None  # DeepSeek-V4's clamp (see gated)
 
     def setup(self):
         D, I, std, layout = self.config.hidden_size, self.intermediate_size, self.config.initializer_range, self.layout
@@ -44,10 +45,18 @@ class MLP(nn.Module):
             gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(gated(gate, up, self.swiglu_limit))
 
 
-def swiglu(x, gate, up, down, inputs_first: bool):
+def gated(gate_x, up_x, limit: float | None = None):
+    """silu(gate_x) * up_x; with a limit (DeepSeek-V4), gate_x clamped above at it and up_x to
+    [-limit, limit] first."""
+    if limit is not None:
+        gate_x, up_x = jnp.minimum(gate_x, limit), jnp.clip(up_x, -limit, limit)
+    return nn.silu(gate_x) * up_x
+
+
+def swiglu(x, gate, up, down, inputs_first: bool, limit: float | None = None):
     """One expert on its own weights (what MLP computes): x [N, D] -> [N, D]; weights [I, D] /
     [D, I] ([D, I] / [I, D] inputs first), dense or QuantizedWeight. up None: gate is the
     joint [D, 2I] weight of gate and up (layout.joint_projections)."""
@@ -55,7 +64,7 @@ def swiglu(x, gate, up, down, inputs_first: bool):
         gate_x, up_x = jnp.split(linear(x, gate, inputs_first), 2, axis=-1)
     else:
         gate_x, up_x = linear(x, gate, inputs_first), linear(x, up, inputs_first)
-    return linear(nn.silu(gate_x) * up_x, down, inputs_first)
+    return linear(gated(gate_x, up_x, limit), down, inputs_first)
 
 
 def top_two_sum(x: jax.Array) -> jax.Array:
@@ -120,6 +129,7 @@ class Experts(nn.Module):
     config: ModelConfig
     dtype: Dtype = jnp.float32
     layout: Layout = CHECKPOINT
+    swiglu_limit: float | None = None  # DeepSeek-V4's clamp (see gated)
 
     @nn.compact
     def __call__(self, x, weights, experts):
@@ -132,7 +142,7 @@ class Experts(nn.Module):
             else:
                 gate, up = (self.param(name, self.split_init, (I, D)) for name in ("gate_proj", "up_proj"))
             down = self.param("down_proj", self.split_init, (D, I))
-            return split_experts(x, weights, experts, gate, up, down, self.layout.inputs_first)
+            return split_experts(x, weights, experts, gate, up, down, self.layout.inputs_first, self.swiglu_limit)
         init = lambda axes: normal_init(c.initializer_range, axes)  # noqa: E731
         gate = self.param("gate_proj", init(("expert", "expert_mlp", "embed")), (E, I, D), self.dtype)
         up = self.param("up_proj", init(("expert", "expert_mlp", "embed")), (E, I, D), self.dtype)
@@ -142,10 +152,10 @@ class Experts(nn.Module):
         # Fewer token copies than experts (decode): most groups would be empty, so gather instead;
         # weights for the FP8 kernels always take the sorted path (the grouped kernel).
         if mesh is None and experts.size <= E and not runs_fp8(gate):
-            return gathered_experts(x, weights, experts, gate, up, down)
+            return gathered_experts(x, weights, experts, gate, up, down, self.swiglu_limit)
         if mesh is None:
-            return local_experts(x, weights, experts, gate, up, down, first=0, num_experts=E)
-        return expert_parallel(mesh, x, weights, experts, gate, up, down, E)
+            return local_experts(x, weights, experts, gate, up, down, first=0, num_experts=E, limit=self.swiglu_limit)
+        return expert_parallel(mesh, x, weights, experts, gate, up, down, E, self.swiglu_limit)
 
     def split_init(self, key, shape):
         """E per-expert weights of checkpoint shape [out, in] (reversed inputs first)."""
@@ -154,7 +164,7 @@ class Experts(nn.Module):
         return tuple(normal(k, shape, self.dtype) for k in jax.random.split(key, self.config.n_routed_experts))
 
 
-def split_experts(x, weights, experts, gate, up, down, inputs_first):
+def split_experts(x, weights, experts, gate, up, down, inputs_first, limit=None):
     """Routed experts on their own weights (split layout), each run only where a token chose it.
 
     One token (a plain decode step): one lax.switch per expert it chose, over the E experts.
@@ -167,7 +177,7 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
     a split layout keep small.
     x [N, D]; weights/experts [N, K]; gate/up/down: tuples of E weights (up: E Nones where gate
     holds both, see swiglu) -> [N, D]."""
-    run = [lambda x, g=g, u=u, d=d: swiglu(x, g, u, d, inputs_first) for g, u, d in zip(gate, up, down)]
+    run = [lambda x, g=g, u=u, d=d: swiglu(x, g, u, d, inputs_first, limit) for g, u, d in zip(gate, up, down)]
     if x.shape[0] == 1:  # K conditionals (and index clamps) instead of E, and no per-expert bookkeeping
         # Clipped as one vector, though lax.switch clamps its index too: switching on a scalar slice
         # of top_k's indices makes XLA CPU run that top_k as a whole sort (tools/step_profile.py).
@@ -184,7 +194,7 @@ def split_experts(x, weights, experts, gate, up, down, inputs_first):
     return out
 
 
-def gathered_experts(x, weights, experts, gate, up, down):
+def gathered_experts(x, weights, experts, gate, up, down, limit=None):
     """Few tokens (decode): fetch each token's K experts' weights and apply them directly, which
     avoids the sort/scatter of the grouped path. Same arguments and result as `local_experts`."""
     def pick(w):  # [N, K, ., .]; FP8 weights: only the picked experts are dequantized
@@ -193,12 +203,12 @@ def gathered_experts(x, weights, experts, gate, up, down):
         return w[experts].astype(x.dtype)
 
     w_gate, w_up, w_down = pick(gate), pick(up), pick(down)
-    h = nn.silu(jnp.einsum("nd,nkid->nki", x, w_gate)) * jnp.einsum("nd,nkid->nki", x, w_up)
+    h = gated(jnp.einsum("nd,nkid->nki", x, w_gate), jnp.einsum("nd,nkid->nki", x, w_up), limit)
     y = jnp.einsum("nki,nkdi->nkd", h, w_down)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
 
 
-def local_experts(x, weights, experts, gate, up, down, first, num_experts):
+def local_experts(x, weights, experts, gate, up, down, first, num_experts, limit=None):
     """The contribution of experts first..first+G-1 (G = gate.shape[0]) to every token.
 
     x [N, D]; weights/experts [N, K]; gate/up [G, I, D], down [G, D, I] -> [N, D]. Token copies are
@@ -210,7 +220,7 @@ def local_experts(x, weights, experts, gate, up, down, first, num_experts):
     order = jnp.argsort(local, stable=True)
     sizes = jnp.bincount(local, length=num_experts)[:gate.shape[0]]
     sorted_x = x[order // k]
-    h = nn.silu(grouped_linear(sorted_x, gate, sizes)) * grouped_linear(sorted_x, up, sizes)
+    h = gated(grouped_linear(sorted_x, gate, sizes), grouped_linear(sorted_x, up, sizes), limit)
     y = grouped_linear(h, down, sizes)
     y = jnp.where((jnp.arange(n * k) < sizes.sum())[:, None], y, 0)
     y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back to token order
@@ -253,7 +263,7 @@ def serial_experts_reason(config: ModelConfig, gate, mesh) -> str | None:
     return None
 
 
-def expert_parallel(mesh, x, weights, experts, gate, up, down, num_experts):
+def expert_parallel(mesh, x, weights, experts, gate, up, down, num_experts, limit=None):
     """Experts split over their mesh axes (`data` and `expert`, see jaxmtp.sharding) and their
     intermediate dim over `tensor`, in shard_map. Tokens split over `data` (each device's own
     rows, as attention left them) are first gathered over `data`; each device runs its own
@@ -268,7 +278,7 @@ def expert_parallel(mesh, x, weights, experts, gate, up, down, num_experts):
         if gathered:
             x, weights, experts = (jax.lax.all_gather(a, "data", axis=0, tiled=True) for a in (x, weights, experts))
         first = (jax.lax.axis_index(axes) if axes else 0) * gate.shape[0]
-        out = local_experts(x, weights, experts, gate, up, down, first, num_experts)
+        out = local_experts(x, weights, experts, gate, up, down, first, num_experts, limit)
         out = jax.lax.psum(out, tuple(a for a in axes if a != "data" or not gathered) + ("tensor",))
         return jax.lax.psum_scatter(out, "data", scatter_dimension=0, tiled=True) if gathered else out
 

@@ -14,14 +14,17 @@ from jaxmtp.config import ModelConfig, yarn_mscale
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """Per-pair angular frequencies, float32 [qk_rope_head_dim // 2].
+    """Per-pair angular frequencies, float32 [qk_rope_head_dim // 2] (see pair_frequencies)."""
+    return pair_frequencies(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling)
+
+
+def pair_frequencies(dim: int, base: float, rs) -> np.ndarray:
+    """Angular frequencies of `dim // 2` rotated pairs at `base`, float32, with YaRN `rs` or None.
 
     With YaRN, pairs below the `low` correction dimension keep their frequency, pairs above
     `high` are divided by `factor`, and a linear ramp blends the two in between.
     """
-    dim, base = config.qk_rope_head_dim, config.rope_theta
     freqs = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    rs = config.rope_scaling
     if rs is None:
         return freqs.astype(np.float32)
     low, high = _correction_range(rs.beta_fast, rs.beta_slow, dim, base, rs.original_max_position_embeddings,

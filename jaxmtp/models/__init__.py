@@ -1,0 +1,1 @@
+"""Model architectures beside the DeepSeek-V3 family (whose modules are the top-level jaxmtp ones)."""

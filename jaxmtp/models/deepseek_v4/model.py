@@ -1,0 +1,151 @@
+"""`V4Model`: a DeepSeek-V4 config plus its parameter pytree, with a jitted step over caches stored
+by position, a whole-sequence forward and greedy decoding; `init_v4`."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp import checks
+from jaxmtp.errors import InputError
+from jaxmtp.models.deepseek_v4.config import V4Config
+from jaxmtp.models.deepseek_v4.transformer import DeepseekV4, new_caches, new_mtp_cache
+
+
+@dataclasses.dataclass
+class V4Model:
+    """A DeepSeek-V4 model: static config and parameter pytree."""
+
+    config: V4Config
+    params: Any
+    mesh: Any = None
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.params["embed_tokens"]["weight"].dtype)
+
+    def new_caches(self, batch: int, max_len: int, headroom: int = 1) -> tuple:
+        """Empty caches for `batch` rows and positions below max_len (see transformer.new_caches)."""
+        return new_caches(self.config, batch, max_len, headroom, self.dtype)
+
+    def step(self, tokens, start, count, caches):
+        """tokens [B, T] at positions start[b] + t, the first count[b] real -> (logits [B, T, V],
+        hidden [B, T, D], last-layer streams [B, T, N, D], caches)."""
+        return apply_step(self.config, self.dtype, self.params, jnp.asarray(tokens, jnp.int32),
+                          jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32), caches)
+
+    def new_mtp_cache(self, batch: int, max_len: int, headroom: int = 1):
+        """An empty cache of the MTP block."""
+        return new_mtp_cache(self.config, batch, max_len, headroom, self.dtype)
+
+    def mtp_step(self, streams, next_tokens, start, count, cache):
+        """The MTP block over streams [B, T, N, D] and the tokens after them [B, T] at positions
+        start[b] + t -> (logits [B, T, V] of the token after those, its streams, cache)."""
+        if not self.config.has_mtp:
+            raise InputError("mtp_step: this model has no MTP block (num_nextn_predict_layers = 0)")
+        return apply_mtp_step(self.config, self.dtype, self.params, jnp.asarray(streams, self.dtype),
+                              jnp.asarray(next_tokens, jnp.int32), jnp.asarray(start, jnp.int32),
+                              jnp.asarray(count, jnp.int32), cache)
+
+    def forward(self, tokens, lengths=None) -> tuple[jax.Array, jax.Array]:
+        """tokens [B, T] from position 0 (rows right-padded to their `lengths`, default T) ->
+        (logits [B, T, V] float32, post-norm hidden [B, T, D]); padded positions hold garbage."""
+        tokens = checks.token_ids("tokens", tokens, self.config.vocab_size)
+        b, steps = tokens.shape
+        lengths = np.full(b, steps) if lengths is None else np.asarray(lengths)
+        if lengths.shape != (b,) or (lengths < 1).any() or (lengths > steps).any():
+            raise InputError(f"lengths: expected {b} values in 1..{steps}, found {lengths.tolist()}")
+        logits, hidden, _, _ = self.step(tokens, np.zeros(b), lengths, self.new_caches(b, steps))
+        return logits, hidden
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None) -> list[list[int]]:
+        """Greedy decoding of each prompt (no stop tokens): its prompt prefilled in chunks of `chunk`
+        positions (default: whole), then one position per step. -> the new tokens of each prompt."""
+        prompts = checks.prompts(prompts, self.config.vocab_size)
+        lengths = np.array([len(p) for p in prompts])
+        width = chunk or int(lengths.max())
+        max_len = int(lengths.max()) + max_new_tokens
+        caches = self.new_caches(len(prompts), max_len)
+        padded = np.zeros((len(prompts), -(-int(lengths.max()) // width) * width), np.int32)
+        for i, p in enumerate(prompts):
+            padded[i, :len(p)] = p
+        last = np.zeros((len(prompts), self.config.vocab_size), np.float32)
+        for at in range(0, padded.shape[1], width):
+            count = np.clip(lengths - at, 0, width)
+            logits, _, _, caches = self.step(padded[:, at:at + width], np.full(len(prompts), at), count, caches)
+            logits = np.asarray(logits)
+            ends = (lengths > at) & (lengths <= at + width)
+            last[ends] = logits[ends, lengths[ends] - 1 - at]
+        out = [[] for _ in prompts]
+        positions = lengths.copy()
+        for _ in range(max_new_tokens):
+            token = last.argmax(-1)
+            for i, t in enumerate(token):
+                out[i].append(int(t))
+            logits, _, _, caches = self.step(token[:, None], positions, np.ones(len(prompts)), caches)
+            last = np.asarray(logits[:, 0])
+            positions = positions + 1
+        return out
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def apply_step(config, dtype, params, tokens, start, count, caches):
+    """The main model over one chunk of positions per row (see V4Model.step)."""
+    return DeepseekV4(config, dtype).apply({"params": params}, tokens, start, count, caches)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def apply_mtp_step(config, dtype, params, streams, next_tokens, start, count, cache):
+    """The MTP block over one chunk of positions per row (see V4Model.mtp_step)."""
+    return DeepseekV4(config, dtype).apply({"params": params}, streams, next_tokens, start, count, cache,
+                                           method=DeepseekV4.mtp_step)
+
+
+def init_v4(config: V4Config, seed: int = 0, dtype="float32") -> V4Model:
+    """Random parameters (normal(initializer_range) weights, unit norms, zero biases, sinks and
+    position biases, a random token -> experts table)."""
+    dtype = checks.float_dtype("dtype", dtype)
+
+    def fn(key):
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        one = jnp.ones((1,), jnp.int32)
+        variables = DeepseekV4(config, dtype).init(key, tokens, one * 0, one, new_caches(config, 1, 1, 1, dtype),
+                                                   new_mtp_cache(config, 1, 1, 1, dtype), method=DeepseekV4.init_all)
+        return nn.meta.unbox(variables)["params"]
+
+    return V4Model(config, jax.jit(fn)(jax.random.key(seed)))
+
+
+def abstract_params(config: V4Config, dtype=jnp.bfloat16):
+    """The parameter tree's shapes and dtypes (jax.ShapeDtypeStruct leaves), without allocating."""
+    def fn(key):
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        one = jnp.ones((1,), jnp.int32)
+        variables = DeepseekV4(config, dtype).init(key, tokens, one * 0, one, new_caches(config, 1, 1, 1, dtype),
+                                                   new_mtp_cache(config, 1, 1, 1, dtype), method=DeepseekV4.init_all)
+        return nn.meta.unbox(variables)["params"]
+
+    return jax.eval_shape(fn, jax.random.key(0))
+
+
+def parameter_counts(config: V4Config) -> dict[str, int]:
+    """Parameters of the main model (`main`; the routed experts' share in `routed_experts`), of the
+    MTP block (`mtp`), and those active per token in the main model (all but its routed experts,
+    plus num_experts_per_tok of them per layer)."""
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]
+    counts = {"main": 0, "routed_experts": 0, "mtp": 0}
+    for path, leaf in leaves:
+        keys = [getattr(p, "key", None) for p in path]
+        size = int(np.prod(leaf.shape))
+        counts["mtp" if keys[0] == "mtp" else "main"] += size
+        if keys[0] != "mtp" and "experts" in keys:
+            counts["routed_experts"] += size
+    experts = counts["routed_experts"]
+    counts["active"] = counts["main"] - experts + experts * config.num_experts_per_tok // config.n_routed_experts
+    return counts

@@ -1,0 +1,232 @@
+"""DeepSeek-V4: the trunk against transformers' DeepseekV4ForCausalLM, the MTP block against a torch
+reference written from DeepSeek's MTPBlock, caches stored by position (chunked prefill and decode
+equal one pass), speculative greedy equal to plain greedy, and the configs."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmtp import CONFIGS
+from jaxmtp.errors import CheckpointError, ConfigError
+from jaxmtp.models.deepseek_v4 import CSA, HCA, SLIDING, V4Config, V4Model, init_v4
+from jaxmtp.models.deepseek_v4.model import parameter_counts
+from jaxmtp.models.deepseek_v4.names import params_from_hf
+from jaxmtp.models.deepseek_v4.speculative import generate_greedy
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip("transformers without DeepseekV4ForCausalLM", allow_module_level=True)
+
+TINY = dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
+            q_lora_rank=32, partial_rotary_factor=8 / 32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, hc_mult=4, initializer_range=0.1,
+            max_position_embeddings=4096)
+# Each config crosses the sliding window and several compressed entries within 45 positions; index_topk
+# below the number of entries makes the indexer choose. 16 index heads make an exact tie of scores at
+# relu's zero (every head negative), where two implementations' top-k may pick differently, unlikely.
+CONFIGS_HF = {
+    # every attention kind, hash layers first
+    "kinds": dict(layer_types=[SLIDING, CSA, HCA, CSA], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+                  sliding_window=8, compress_rates={CSA: 4, HCA: 8}, index_topk=3),
+    # V4-Pro's pattern (HCA first), YaRN on the compressed layers
+    "pro_yarn": dict(layer_types=[HCA, HCA, CSA, HCA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                     sliding_window=6, compress_rates={CSA: 4, HCA: 16}, index_topk=2,
+                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                      "beta_fast": 32, "beta_slow": 1}),
+    # two streams, one hash layer, the indexer keeping more entries
+    "two_streams": dict(layer_types=[CSA, SLIDING, CSA, HCA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                        sliding_window=8, compress_rates={CSA: 4, HCA: 8}, index_topk=4, hc_mult=2),
+}
+
+
+def hf_model(name, seed=0):
+    """A random DeepseekV4ForCausalLM in float32, with the parameters its init leaves constant (sinks,
+    position and stream biases, the hash table, the routing bias) random too."""
+    settings = dict(TINY, **CONFIGS_HF[name])
+    settings["num_hidden_layers"] = len(settings["layer_types"])
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV4Config(**settings)
+    model = transformers.DeepseekV4ForCausalLM(config).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(("position_bias", "sinks", "hc.base", "hc_base")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif pname.endswith(("hc.scale", "hc_scale")):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        for bname, buf in model.named_buffers():
+            if bname.endswith("tid2eid"):
+                buf.copy_(torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:config.num_experts_per_tok]
+                                       for _ in range(config.vocab_size)]))
+            elif bname.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)
+    return settings, model
+
+
+def ours(settings, hf):
+    config = V4Config.from_hf_config(hf.config.to_dict())
+    state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    return V4Model(config, jax.tree.map(jnp.asarray, params_from_hf(config, state)))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS_HF))
+def pair(request):
+    settings, hf = hf_model(request.param)
+    return hf, ours(settings, hf)
+
+
+def test_logits_and_hidden_match_transformers_on_a_ragged_batch(pair):
+    hf, model = pair
+    lengths = [45, 30, 13]
+    tokens = np.random.default_rng(0).integers(0, 256, (3, 45))
+    logits, hidden = model.forward(tokens, lengths)
+    for row, n in enumerate(lengths):
+        with torch.no_grad():
+            ref = hf(torch.tensor(tokens[row:row + 1, :n]), output_hidden_states=True)
+        np.testing.assert_allclose(np.asarray(logits[row, :n]), ref.logits[0].numpy(), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(np.asarray(hidden[row, :n]), ref.hidden_states[-1][0].numpy(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [7, 1])
+def test_chunked_prefill_through_the_cache_matches_transformers(pair, chunk):
+    """Chunks of 7 close compressed entries mid-chunk and leave partial windows between chunks;
+    chunks of 1 are decode steps."""
+    hf, model = pair
+    lengths = np.array([33, 20])
+    tokens = np.random.default_rng(1).integers(0, 256, (2, 35))
+    caches = model.new_caches(2, 40)
+    pieces = []
+    for at in range(0, 35, chunk):
+        logits, _, _, caches = model.step(tokens[:, at:at + chunk], np.full(2, at), np.clip(lengths - at, 0, chunk),
+                                          caches)
+        pieces.append(np.asarray(logits))
+    logits = np.concatenate(pieces, axis=1)
+    for row, n in enumerate(lengths):
+        with torch.no_grad():
+            ref = hf(torch.tensor(tokens[row:row + 1, :n])).logits[0].numpy()
+        np.testing.assert_allclose(logits[row, :n], ref, atol=1e-4, rtol=0)
+
+
+def test_greedy_matches_transformers_generate():
+    settings, hf = hf_model("kinds", seed=5)
+    model = ours(settings, hf)
+    prompts = [list(range(3, 40)), [7, 9, 11, 200, 5]]
+    tokens = model.greedy(prompts, 24, chunk=16)
+    for prompt, got in zip(prompts, tokens):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+        assert got == want[0, len(prompt):].tolist()
+
+
+def reference_mtp(hf_layer, hf_rotary, weights, streams, next_ids, eps):
+    """DeepSeek's MTPBlock.forward, written in torch: e = enorm(embed(next)); x = e_proj(e) broadcast over
+    the streams + h_proj(hnorm(streams)); x = Block(x) (here transformers' V4 decoder layer, sliding
+    window, top-k routed); logits = head(norm(hc_head(x)))."""
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    e = rms(weights["embed"][next_ids], weights["enorm"])
+    x = (e @ weights["e_proj"].T)[:, :, None, :] + rms(streams, weights["hnorm"]) @ weights["h_proj"].T
+    positions = torch.arange(streams.shape[1])[None]
+    window = hf_layer.self_attn.sliding_window
+    i, j = positions[0][:, None], positions[0][None, :]
+    mask = torch.where((j <= i) & (j > i - window), 0.0, float("-inf"))[None, None]
+    rope = {"main": hf_rotary(x, positions, layer_type="main")}
+    x = hf_layer(x, position_embeddings=rope, position_ids=positions, attention_mask=mask, input_ids=next_ids)
+    flat = x.flatten(2)
+    flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps)
+    pre = torch.sigmoid(flat @ weights["hc_fn"].T * weights["hc_scale"] + weights["hc_base"]) + 1e-6
+    h = rms((pre[..., None] * x).sum(2), weights["norm"])
+    return h @ weights["head"].T
+
+
+def test_mtp_block_matches_deepseeks_formulas_on_four_streams():
+    settings = dict(TINY, **CONFIGS_HF["kinds"])
+    settings["num_hidden_layers"] = 4
+    model = init_v4(V4Config.from_hf_config(dict(settings, model_type="deepseek_v4")), seed=3)
+    c = model.config
+    mtp = jax.tree.map(lambda a: torch.tensor(np.asarray(a, np.float32)), model.params["mtp"])
+    rng = np.random.default_rng(2)
+    mtp["hc_head"]["hc_base"] = torch.tensor(rng.normal(size=c.hc_mult), dtype=torch.float32)
+    mtp["block"]["self_attn"]["sinks"] = torch.tensor(rng.normal(size=c.num_attention_heads), dtype=torch.float32)
+    params = dict(model.params, mtp=jax.tree.map(lambda t: jnp.asarray(t.numpy()), mtp))
+    model = V4Model(c, params)
+    # transformers' decoder layer as the block: a sliding, top-k routed layer with the MTP block's weights
+    hf_config = transformers.DeepseekV4Config(**dict(settings, num_hidden_layers=1, layer_types=[SLIDING],
+                                                     mlp_layer_types=["moe"]))
+    layer = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4DecoderLayer(hf_config, 0).float().eval()
+    rotary = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4RotaryEmbedding(hf_config)
+    state = {".".join(p.key for p in path): value for path, value in jax.tree_util.tree_leaves_with_path(mtp["block"])}
+    state["mlp.experts.gate_up_proj"] = torch.cat([state.pop("mlp.experts.gate_proj"),
+                                                   state.pop("mlp.experts.up_proj")], dim=1)
+    missing, unexpected = layer.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"mlp.gate.tid2eid"}, (missing, unexpected)
+    weights = dict(embed=torch.tensor(np.asarray(model.params["embed_tokens"]["weight"])),
+                   head=torch.tensor(np.asarray(model.params["lm_head"]["weight"])),
+                   enorm=mtp["enorm"]["weight"], hnorm=mtp["hnorm"]["weight"], norm=mtp["norm"]["weight"],
+                   e_proj=mtp["e_proj"]["weight"], h_proj=mtp["h_proj"]["weight"], **mtp["hc_head"])
+    streams = rng.normal(size=(2, 20, c.hc_mult, c.hidden_size)).astype(np.float32)
+    next_ids = rng.integers(0, c.vocab_size, (2, 20))
+    with torch.no_grad():
+        want = reference_mtp(layer, rotary, weights, torch.tensor(streams), torch.tensor(next_ids), c.rms_norm_eps)
+    got, _, _ = model.mtp_step(streams, next_ids, np.zeros(2), np.full(2, 20), model.new_mtp_cache(2, 20))
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-4, rtol=0)
+
+
+def test_speculative_greedy_is_plain_greedy_across_window_and_compression_boundaries():
+    """A small vocabulary makes the random MTP block's drafts right often enough that rounds accept
+    one, two or more drafts as well as rejecting them."""
+    config = V4Config(vocab_size=8, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+                      num_attention_heads=2, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
+                      layer_types=(CSA, HCA), mlp_layer_types=("hash_moe", "moe"), head_dim=16, qk_rope_head_dim=4,
+                      sliding_window=6, compress_rates=(4, 8), o_groups=2, o_lora_rank=8, index_n_heads=8,
+                      index_head_dim=8, index_topk=2, hc_mult=2, initializer_range=0.3)
+    model = init_v4(config, seed=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 8, n).tolist() for n in (5, 17, 11)]
+    plain = model.greedy(prompts, 30)
+    for k in (1, 2, 3, 4):
+        tokens, accepted = generate_greedy(model, prompts, 30, k)
+        assert tokens == plain, k
+        assert (accepted == 0).any() and (accepted >= 1).any(), k
+    assert (accepted >= 2).any()
+
+
+def test_released_configs_load_and_count():
+    flash = V4Config.from_hf_config(f"{CONFIGS}/deepseek_v4_flash.json")
+    pro = V4Config.from_hf_config(f"{CONFIGS}/deepseek_v4_pro.json")
+    assert (flash.layer_types.count(CSA), flash.layer_types.count(HCA), flash.layer_types.count(SLIDING)) == (21, 20, 2)
+    assert (pro.layer_types.count(CSA), pro.layer_types.count(HCA), pro.layer_types[:2]) == (30, 31, (HCA, HCA))
+    assert flash.mlp_layer_types[:4] == ("hash_moe",) * 3 + ("moe",)
+    assert flash.rope_scaling.factor == 16 and flash.expert_dtype == "fp4"
+    flash_count, pro_count = parameter_counts(flash), parameter_counts(pro)
+    assert 280e9 < flash_count["main"] < 288e9 and 13e9 < flash_count["active"] < 15e9
+    assert 1.55e12 < pro_count["main"] < 1.65e12 and 48e9 < pro_count["active"] < 52e9
+    assert transformers.DeepseekV4Config(**json.load(open(f"{CONFIGS}/deepseek_v4_pro.json"))).layer_types == list(
+        pro.layer_types)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="deepseek_v41"), "deepseek_v41 is a different architecture"),
+    (dict(compress_ratios=None), "layer_types: required"),
+    (dict(compress_ratios=[0, 4, 7]), "compress_ratios: entries must be"),
+    (dict(num_key_value_heads=2), "num_key_value_heads"),
+    (dict(o_groups=3), "o_groups"),
+    (dict(scoring_func="sigmoid"), "scoring_func"),
+])
+def test_bad_configs_are_refused_by_name(change, message):
+    raw = json.load(open(f"{CONFIGS}/deepseek_v4_flash.json"))
+    raw.update(change)
+    with pytest.raises(ConfigError, match=message):
+        V4Config.from_hf_config(raw)
+
+
+def test_unknown_tensor_names_are_refused():
+    config = V4Config.from_hf_config(f"{CONFIGS}/deepseek_v4_flash.json")
+    with pytest.raises(CheckpointError, match="model.layers.0.self_attn.wq_c.weight"):
+        params_from_hf(config, {"model.layers.0.self_attn.wq_c.weight": np.zeros(1)})
