@@ -14,7 +14,7 @@ from jaxmtp.errors import CheckpointError, ConfigError
 from jaxmtp.models.deepseek_v4 import CSA, HCA, SLIDING, V4Config, V4Model, init_v4
 from jaxmtp.models.deepseek_v4.model import parameter_counts
 from jaxmtp.models.deepseek_v4.names import params_from_hf
-from jaxmtp.models.deepseek_v4.speculative import generate_greedy
+from jaxmtp.models.deepseek_v4.speculative import generate, generate_greedy
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -195,6 +195,40 @@ def test_speculative_greedy_is_plain_greedy_across_window_and_compression_bounda
         assert tokens == plain, k
         assert (accepted == 0).any() and (accepted >= 1).any(), k
     assert (accepted >= 2).any()
+    # auto: k chosen per segment from the acceptance so far and these round costs (in plain rounds)
+    tokens, rounds = generate(model, prompts, 30, "auto", k_max=3, costs=[1.0, 1.2, 1.4, 1.6])
+    assert tokens == plain
+    assert len({k for k, _ in rounds}) > 1
+
+
+def test_speculative_sampling_at_k2_follows_the_model():
+    """The first three tokens of 20,480 rows sampled with k = 2 against the model's distribution from
+    whole forward passes over every continuation (chi-square); the rounds both accept and reject."""
+    import itertools
+
+    from test_speculative_sampling import chi_square_p_value
+
+    vocab, prompt, samples = 8, [3, 1, 4, 1, 5], 20_480
+    config = V4Config(vocab_size=vocab, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
+                      layer_types=(CSA,), mlp_layer_types=("hash_moe",), head_dim=16, qk_rope_head_dim=4,
+                      sliding_window=4, compress_rates=(2, 8), o_groups=2, o_lora_rank=8, index_n_heads=8,
+                      index_head_dim=8, index_topk=1, hc_mult=2, initializer_range=0.15)
+    model = init_v4(config, seed=4)
+    tokens, rounds = generate(model, [prompt] * samples, 3, 2, temperature=1.0, seed=17)
+    counts = np.zeros((vocab,) * 3)
+    np.add.at(counts, tuple(np.array(tokens).T), 1)
+    pairs = np.array(list(itertools.product(range(vocab), repeat=2)))
+    logits, _ = model.forward(np.concatenate([np.tile(prompt, (len(pairs), 1)), pairs], axis=1))
+    probs = np.asarray(jax.nn.softmax(np.asarray(logits, np.float64), axis=-1))
+    n = len(prompt)
+    expected = np.zeros((vocab,) * 3)
+    for row, (a, b) in enumerate(pairs):
+        expected[a, b] = probs[0, n - 1, a] * probs[row, n, b] * probs[row, n + 1]
+    p_value = chi_square_p_value(counts.ravel(), expected.ravel() * samples)
+    assert p_value > 1e-3, p_value
+    rate = rounds[0][1].mean() / 2
+    assert 0.05 < rate < 0.95, rate
 
 
 def test_released_configs_load_and_count():
