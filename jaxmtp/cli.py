@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import re
@@ -233,12 +234,49 @@ def _mesh(text: str) -> dict[str, int]:
     return sizes
 
 
+def _model_type(path: str, flag: str = "--config") -> str | None:
+    """The `model_type` of a config file (or a directory's config.json, or a shipped config's name)."""
+    path = config_file(path)
+    with _reading(flag, path):
+        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+            return json.load(f).get("model_type")
+
+
+def _count(n: int) -> str:
+    """A parameter count in billions, or trillions from 1,000 B."""
+    return f"{n / 1e12:8.2f} T" if n >= 1e12 else f"{n / 1e9:8.2f} B"
+
+
+def _info_v4(args):
+    from jaxmtp.models.deepseek_v4.config import V4Config
+    from jaxmtp.models.deepseek_v4.model import cache_bytes, parameter_counts
+
+    if args.lower:
+        raise UsageError("--lower: not available for DeepSeek-V4 configs yet")
+    path = config_file(args.config)
+    with _reading("--config", path):
+        config = V4Config.from_hf_config(path)
+    counts = parameter_counts(config)
+    print(f"parameters, main model:              {_count(counts['main'])} ({counts['main']:,})")
+    print(f"parameters, active per token:        {_count(counts['active'])}")
+    print(f"parameters, MTP block:               {_count(counts['mtp'])} ({counts['mtp']:,})")
+    kinds = ", ".join(f"{config.layer_types.count(kind)} {name}" for kind, name in
+                      (("compressed_sparse_attention", "CSA"), ("heavily_compressed_attention", "HCA"),
+                       ("sliding_attention", "sliding-window only")))
+    growing, bounded = cache_bytes(config, jnp.bfloat16)
+    print(f"layers: {kinds}; MTP block: sliding-window only")
+    print(f"cache, bf16: {growing:,} B per token (compressed entries and index keys, all layers), plus "
+          f"{bounded:,} B per sequence (windows and pooling rows, incl. MTP)")
+
+
 def _info(args):
     from jaxmtp.cache import bytes_per_token
     from jaxmtp.layout import CHECKPOINT
     from jaxmtp.model import apply_forward, apply_mtp_forward
     from jaxmtp.params import abstract_params, parameter_counts
 
+    if _model_type(args.config) in ("deepseek_v4", "deepseek_v41"):
+        return _info_v4(args)
     config = _config(args.config)
     counts = parameter_counts(config)
     print(f"parameters, main model:              {counts['main'] / 1e9:8.2f} B ({counts['main']:,})")

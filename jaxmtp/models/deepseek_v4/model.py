@@ -14,7 +14,8 @@ import numpy as np
 
 from jaxmtp import checks
 from jaxmtp.errors import InputError
-from jaxmtp.models.deepseek_v4.config import V4Config
+from jaxmtp.models.deepseek_v4.attention import pool_shape
+from jaxmtp.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4, new_caches, new_mtp_cache
 
 
@@ -149,3 +150,19 @@ def parameter_counts(config: V4Config) -> dict[str, int]:
     experts = counts["routed_experts"]
     counts["active"] = counts["main"] - experts + experts * config.num_experts_per_tok // config.n_routed_experts
     return counts
+
+
+def cache_bytes(config: V4Config, dtype=jnp.bfloat16, headroom: int = 1) -> tuple[int, int]:
+    """(bytes per cached token, bytes per sequence besides them) of every layer's cache and the MTP
+    block's: compressed entries and index keys grow with the sequence; windows and pooling rows
+    (plus `headroom` rows each) do not. Position tags (int32) counted with their rows."""
+    size = jnp.dtype(dtype).itemsize
+    growing, bounded = 0.0, 0
+    kinds = list(config.layer_types) + ([SLIDING] if config.has_mtp else [])
+    for kind in kinds:
+        bounded += (config.sliding_window + headroom) * (config.head_dim * size + 4)
+        for indexer in ((False, True) if kind == CSA else (False,) if kind != SLIDING else ()):
+            width, span, inputs = pool_shape(config, kind, indexer)
+            growing += width * size / config.compress_rate(kind)
+            bounded += (span + headroom) * (2 * inputs * size + 4)
+    return int(round(growing)), bounded
