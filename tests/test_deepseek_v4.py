@@ -1,8 +1,10 @@
 """DeepSeek-V4: the trunk against transformers' DeepseekV4ForCausalLM, the MTP block against a torch
 reference written from DeepSeek's MTPBlock, caches stored by position (chunked prefill and decode
-equal one pass), speculative greedy equal to plain greedy, and the configs."""
+equal one pass), speculative greedy equal to plain greedy (on a mesh too), speculative sampling
+against the model's distribution, and the configs."""
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +14,10 @@ import pytest
 from jaxmtp import CONFIGS
 from jaxmtp.errors import CheckpointError, ConfigError
 from jaxmtp.models.deepseek_v4 import CSA, HCA, SLIDING, V4Config, V4Model, init_v4
+from jaxmtp.models.deepseek_v4.model import param_shardings
 from jaxmtp.models.deepseek_v4.names import params_from_hf
-from jaxmtp.models.deepseek_v4.speculative import generate, generate_greedy
+from jaxmtp.sharding import ShardingWarning, make_mesh
+from jaxmtp.models.deepseek_v4.speculative import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -189,15 +193,24 @@ def test_speculative_greedy_is_plain_greedy_across_window_and_compression_bounda
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 8, n).tolist() for n in (5, 17, 11)]
     plain = model.greedy(prompts, 30)
+    sizes = dict(cache_len=200, headroom=5)  # one cache shape: the rounds at each k compile once
     for k in (1, 2, 3, 4):
-        tokens, accepted = generate_greedy(model, prompts, 30, k)
+        tokens, rounds = generate(model, prompts, 30, k, **sizes)
+        accepted = np.array([a for _, a in rounds])
         assert tokens == plain, k
         assert (accepted == 0).any() and (accepted >= 1).any(), k
     assert (accepted >= 2).any()
     # auto: k chosen per segment from the acceptance so far and these round costs (in plain rounds)
-    tokens, rounds = generate(model, prompts, 30, "auto", k_max=3, costs=[1.0, 1.2, 1.4, 1.6])
+    tokens, rounds = generate(model, prompts, 30, "auto", k_max=3, costs=[1.0, 1.2, 1.4, 1.6], **sizes)
     assert tokens == plain
     assert len({k for k, _ in rounds}) > 1
+    # on a mesh: attention data-parallel over the rows, experts over data x expert, heads over tensor
+    mesh = make_mesh(data=2, expert=2, tensor=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardingWarning)
+        sharded = V4Model(config, jax.device_put(model.params, param_shardings(config, model.params, mesh)), mesh)
+        tokens, _ = generate(sharded, prompts + [prompts[0]], 30, 2)
+    assert tokens == plain + [plain[0]]
 
 
 def test_speculative_sampling_at_k2_follows_the_model():

@@ -3,7 +3,9 @@ by position, a whole-sequence forward and greedy decoding; `init_v4`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 from functools import partial
 from typing import Any
 
@@ -14,6 +16,8 @@ import numpy as np
 
 from jaxmtp import checks
 from jaxmtp.errors import InputError
+from jaxmtp.params import describe_unsplit
+from jaxmtp.sharding import ShardingWarning, batch_sharding, split
 from jaxmtp.models.deepseek_v4.attention import pool_shape
 from jaxmtp.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4, new_caches, new_mtp_cache
@@ -21,11 +25,33 @@ from jaxmtp.models.deepseek_v4.transformer import DeepseekV4, new_caches, new_mt
 
 @dataclasses.dataclass
 class V4Model:
-    """A DeepSeek-V4 model: static config and parameter pytree."""
+    """A DeepSeek-V4 model: static config, parameter pytree and its device mesh (or None). On a
+    mesh, the parameters are split by jaxmtp.sharding's rules (heads, vocabulary and intermediates
+    over `tensor`, routed experts over `data` and `expert`), the caches' rows over `data`, and the
+    MoE layers run expert-parallel."""
 
     config: V4Config
     params: Any
     mesh: Any = None
+
+    def mesh_context(self):
+        """`jax.set_mesh(mesh)` for the model's mesh (the MoE layers read it); steps enter it."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def place_rows(self, tree):
+        """Arrays whose leading axis is the batch, split over the mesh's `data` axis where it divides
+        them (else replicated); unchanged without a mesh."""
+        if self.mesh is None:
+            return tree
+        data = self.mesh.shape.get("data", 1)
+
+        def put(leaf):
+            leaf = jnp.asarray(leaf)
+            if leaf.ndim and leaf.shape[0] % data == 0:
+                return jax.device_put(leaf, batch_sharding(self.mesh, leaf.ndim))
+            return jax.device_put(leaf, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+
+        return jax.tree.map(put, tree)
 
     @property
     def dtype(self):
@@ -38,21 +64,24 @@ class V4Model:
     def step(self, tokens, start, count, caches):
         """tokens [B, T] at positions start[b] + t, the first count[b] real -> (logits [B, T, V],
         hidden [B, T, D], last-layer streams [B, T, N, D], caches)."""
-        return apply_step(self.config, self.dtype, self.params, jnp.asarray(tokens, jnp.int32),
-                          jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32), caches)
+        with self.mesh_context():
+            args = self.place_rows((jnp.asarray(tokens, jnp.int32), jnp.asarray(start, jnp.int32),
+                                    jnp.asarray(count, jnp.int32)))
+            return apply_step(self.config, self.dtype, self.params, *args, caches)
 
     def new_mtp_cache(self, batch: int, max_len: int, headroom: int = 1):
         """An empty cache of the MTP block."""
-        return new_mtp_cache(self.config, batch, max_len, headroom, self.dtype)
+        return self.place_rows(new_mtp_cache(self.config, batch, max_len, headroom, self.dtype))
 
     def mtp_step(self, streams, next_tokens, start, count, cache):
         """The MTP block over streams [B, T, N, D] and the tokens after them [B, T] at positions
         start[b] + t -> (logits [B, T, V] of the token after those, its streams, cache)."""
         if not self.config.has_mtp:
             raise InputError("mtp_step: this model has no MTP block (num_nextn_predict_layers = 0)")
-        return apply_mtp_step(self.config, self.dtype, self.params, jnp.asarray(streams, self.dtype),
-                              jnp.asarray(next_tokens, jnp.int32), jnp.asarray(start, jnp.int32),
-                              jnp.asarray(count, jnp.int32), cache)
+        with self.mesh_context():
+            args = self.place_rows((jnp.asarray(streams, self.dtype), jnp.asarray(next_tokens, jnp.int32),
+                                    jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32)))
+            return apply_mtp_step(self.config, self.dtype, self.params, *args, cache)
 
     def forward(self, tokens, lengths=None) -> tuple[jax.Array, jax.Array]:
         """tokens [B, T] from position 0 (rows right-padded to their `lengths`, default T) ->
@@ -108,31 +137,51 @@ def apply_mtp_step(config, dtype, params, streams, next_tokens, start, count, ca
                                            method=DeepseekV4.mtp_step)
 
 
-def init_v4(config: V4Config, seed: int = 0, dtype="float32") -> V4Model:
+def init_v4(config: V4Config, seed: int = 0, dtype="float32", mesh=None) -> V4Model:
     """Random parameters (normal(initializer_range) weights, unit norms, zero biases, sinks and
-    position biases, a random token -> experts table)."""
+    position biases, a random token -> experts table); with a mesh (`jaxmtp.make_mesh`), each
+    created directly with its NamedSharding (`param_shardings`)."""
     dtype = checks.float_dtype("dtype", dtype)
+    fn = lambda key: nn.meta.unbox(_variables(config, dtype, key))["params"]  # noqa: E731
+    shardings = None if mesh is None else param_shardings(config, abstract_params(config, dtype), mesh)
+    return V4Model(config, jax.jit(fn, out_shardings=shardings)(jax.random.key(seed)), mesh)
 
-    def fn(key):
-        tokens = jnp.zeros((1, 1), jnp.int32)
-        one = jnp.ones((1,), jnp.int32)
-        variables = DeepseekV4(config, dtype).init(key, tokens, one * 0, one, new_caches(config, 1, 1, 1, dtype),
-                                                   new_mtp_cache(config, 1, 1, 1, dtype), method=DeepseekV4.init_all)
-        return nn.meta.unbox(variables)["params"]
 
-    return V4Model(config, jax.jit(fn)(jax.random.key(seed)))
+def _variables(config: V4Config, dtype, key):
+    """The boxed variables (parameters with their logical axis names) of a fresh init."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    one = jnp.ones((1,), jnp.int32)
+    return DeepseekV4(config, dtype).init(key, tokens, one * 0, one, new_caches(config, 1, 1, 1, dtype),
+                                          new_mtp_cache(config, 1, 1, 1, dtype), method=DeepseekV4.init_all)
+
+
+def logical_axes(config: V4Config) -> dict:
+    """The logical axis names of every parameter, as a pytree of PartitionSpecs."""
+    boxed = jax.eval_shape(partial(_variables, config, jnp.float32), jax.random.key(0))
+    return nn.get_partition_spec(boxed)["params"]
+
+
+def param_shardings(config: V4Config, params, mesh):
+    """NamedSharding for every leaf of `params` (abstract or real) by jaxmtp.sharding's rules; a
+    dimension a mesh axis does not divide stays whole over it, and one ShardingWarning lists them."""
+    unsplit: dict[str, list[str]] = {}
+
+    def one(path, logical, leaf):
+        partition, reasons = split(tuple(logical), leaf.shape, mesh)
+        for reason in reasons:
+            unsplit.setdefault(reason, []).append("/".join(str(getattr(k, "key", k)) for k in path))
+        return jax.sharding.NamedSharding(mesh, partition)
+
+    shardings = jax.tree_util.tree_map_with_path(one, logical_axes(config), params,
+                                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    if unsplit:
+        warnings.warn(describe_unsplit(unsplit, mesh), ShardingWarning, stacklevel=2)
+    return shardings
 
 
 def abstract_params(config: V4Config, dtype=jnp.bfloat16):
     """The parameter tree's shapes and dtypes (jax.ShapeDtypeStruct leaves), without allocating."""
-    def fn(key):
-        tokens = jnp.zeros((1, 1), jnp.int32)
-        one = jnp.ones((1,), jnp.int32)
-        variables = DeepseekV4(config, dtype).init(key, tokens, one * 0, one, new_caches(config, 1, 1, 1, dtype),
-                                                   new_mtp_cache(config, 1, 1, 1, dtype), method=DeepseekV4.init_all)
-        return nn.meta.unbox(variables)["params"]
-
-    return jax.eval_shape(fn, jax.random.key(0))
+    return jax.eval_shape(lambda key: nn.meta.unbox(_variables(config, dtype, key))["params"], jax.random.key(0))
 
 
 def parameter_counts(config: V4Config) -> dict[str, int]:

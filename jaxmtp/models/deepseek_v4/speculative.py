@@ -124,11 +124,14 @@ def run_round(config, dtype, k: int, mode: SamplingMode, repair: bool, params, s
 
 
 def generate(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, k_max: int = 3, costs=None):
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, k_max: int = 3, costs=None,
+             cache_len: int | None = None, headroom: int | None = None):
     """Decodes each prompt (no stop tokens) with k drafts per round (0: plain; "auto": chosen every
     AUTO_SEGMENT rounds in 0..k_max from `costs` [k_max + 1], a round's cost in plain rounds, and the
     acceptance so far, as jaxmtp.adaptive does), greedily at temperature 0, else sampling from the
-    temperature / top-k / top-p distribution.
+    temperature / top-k / top-p distribution. cache_len (positions) and headroom (at least the most
+    drafts + 1) size the caches; by default as this call needs, and calls with equal sizes share
+    their compiled programs.
     -> (the new tokens of each prompt, (k, accepted a [B]) of every round)."""
     prompts = checks.prompts(prompts, model.config.vocab_size)
     checks.whole("max_new_tokens", max_new_tokens, minimum=1)
@@ -150,17 +153,21 @@ def generate(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, 
     prompt = np.zeros((b, width), np.int32)
     for i, p in enumerate(prompts):
         prompt[i, :len(p)] = p
-    max_len = width + (max_new_tokens + 1) * (most + 1) + 1  # rows that are done keep decoding
+    needed = width + (max_new_tokens + 1) * (most + 1) + 1  # rows that are done keep decoding
+    max_len = checks.whole("cache_len", cache_len, minimum=needed) if cache_len is not None else needed
+    headroom = checks.whole("headroom", headroom, minimum=most + 1) if headroom is not None else most + 1
     c, dtype = model.config, model.dtype
-    state = prefill(c, dtype, mode, model.params, sampling, jax.random.key(seed), prompt, lengths,
-                    model.new_caches(b, max_len, most + 1), model.new_mtp_cache(b, max_len, most + 1))
+    with model.mesh_context():
+        state = prefill(c, dtype, mode, model.params, sampling, jax.random.key(seed), *model.place_rows((prompt, lengths)),
+                        model.new_caches(b, max_len, headroom), model.new_mtp_cache(b, max_len, headroom))
     out = [[int(t)] for t in np.asarray(state.token)]
     rounds, counts, chosen = [], AcceptanceCounts.zeros(max(most, 1)), most
     while min(len(row) for row in out) < max_new_tokens:
         if auto and len(rounds) % AUTO_SEGMENT == 0:
             chosen = min(int(best_k(counts, jnp.asarray(costs, jnp.float32))), chosen + 1 if rounds else 1)
-        state, committed, accepted = run_round(c, dtype, chosen, mode, auto and not chosen, model.params, sampling,
-                                               state)
+        with model.mesh_context():
+            state, committed, accepted = run_round(c, dtype, chosen, mode, auto and not chosen, model.params,
+                                                   sampling, state)
         committed, accepted = np.asarray(committed), np.asarray(accepted)
         rounds.append((chosen, accepted))
         counts = counts.update(chosen, jnp.asarray(accepted), jnp.ones(b, bool))
@@ -190,8 +197,3 @@ def measure_costs(model: V4Model, batch: int, max_len: int, k_max: int, repeats:
     plain = seconds(0, False)
     return np.array([seconds(k, k == 0) / plain for k in range(k_max + 1)])
 
-
-def generate_greedy(model: V4Model, prompts, max_new_tokens: int, k: int = 0):
-    """Greedy `generate` at a fixed k -> (tokens, accepted drafts per round [rounds, B])."""
-    tokens, rounds = generate(model, prompts, max_new_tokens, k)
-    return tokens, np.array([a for _, a in rounds])
