@@ -21,6 +21,7 @@ rolling a row back is setting its length. `headroom` (at least the most position
 past its kept length, k + 1 for drafts of k) keeps the rows a rolled-back row needs in the rings.
 """
 
+import functools
 import math
 
 import flax.linen as nn
@@ -31,8 +32,13 @@ import jax.numpy as jnp
 from jaxmtp.layers import Dtype, Linear, RMSNorm, projection_weight
 from jaxmtp.layout import CHECKPOINT
 from jaxmtp.models.deepseek_v4.blocks import frequencies, rotate_tail, unit_rms
-from jaxmtp.models.deepseek_v4.config import CSA, SLIDING, V4Config
+from jaxmtp.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from jaxmtp.quant import as_dense
+
+
+# Passes of at most this many queries per row gather each query's selected CSA entries; longer ones
+# mask the unselected (benchmarks/family_step.py measures the decode step and the verify pass).
+GATHER_QUERIES = 16
 
 
 @flax.struct.dataclass
@@ -181,7 +187,9 @@ class Indexer(nn.Module):
                                    c.initializer_range)
 
     def __call__(self, x, q_latent, positions, start, count, cache: PoolCache):
-        """-> (chosen [B, T, M] bool: the entries each query attends to, the indexer's cache)."""
+        """-> (top [B, T, K]: the entries each query keeps, best first, K = min(index_topk, M);
+        valid [B, T, K]: those that are visible (a query with fewer visible entries keeps fewer);
+        the indexer's cache)."""
         c = self.config
         cache = self.compressor(x, positions, start, count, cache)
         keys = cache.entries
@@ -194,9 +202,7 @@ class Indexer(nn.Module):
         visible = visible_entries(positions, keys.shape[1], c.compress_rates[0])
         scores = jnp.where(visible, scores, -jnp.inf)
         _, top = jax.lax.top_k(scores, min(c.index_topk, keys.shape[1]))
-        chosen = jnp.zeros(scores.shape, bool).at[jnp.arange(b)[:, None, None], jnp.arange(steps)[None, :, None],
-                                                  top].set(True)
-        return chosen & visible, cache
+        return top, jnp.take_along_axis(visible, top, axis=-1), cache
 
 
 def visible_entries(positions, entries: int, rate: int):
@@ -204,17 +210,25 @@ def visible_entries(positions, entries: int, rate: int):
     return jnp.arange(entries)[None, None] < ((positions + 1) // rate)[..., None]
 
 
-def sink_attention(q, keys, mask, sinks, scale: float):
-    """softmax over the visible keys plus a per-head sink that only adds exp(sink) to the
-    denominator. q [B, T, H, d], keys [B, S, d] (also the values), mask [B, T, S], sinks [H]
-    -> [B, T, H, d] in q's dtype."""
-    logits = jnp.einsum("bthd,bsd->bhts", q, keys, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+def sink_attention(q, parts, sinks, scale: float):
+    """softmax over every visible key of every part plus a per-head sink that only adds exp(sink)
+    to the denominator; keys are also the values. q [B, T, H, d]; parts: (keys, mask) pairs, keys
+    shared by the queries [B, S, d] with mask [B, T, S], or each query's own [B, T, S, d] with mask
+    [B, T, S]; sinks [H] -> [B, T, H, d] in q's dtype."""
+    logits = []
+    for keys, mask in parts:
+        subscripts = "bthd,bsd->bhts" if keys.ndim == 3 else "bthd,btsd->bhts"
+        part = jnp.einsum(subscripts, q, keys, preferred_element_type=jnp.float32) * scale
+        logits.append(jnp.where(mask[:, None], part, -jnp.inf))
     sink = sinks.astype(jnp.float32)[None, :, None, None]
-    top = jnp.maximum(logits.max(axis=-1, keepdims=True), sink)
-    probs = jnp.exp(logits - top)
-    probs = probs / (probs.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))
-    return jnp.einsum("bhts,bsd->bthd", probs.astype(keys.dtype), keys).astype(q.dtype)
+    top = functools.reduce(jnp.maximum, [part.max(axis=-1, keepdims=True) for part in logits], sink)
+    probs = [jnp.exp(part - top) for part in logits]
+    total = sum(p.sum(axis=-1, keepdims=True) for p in probs) + jnp.exp(sink - top)
+    out = 0
+    for (keys, _), p in zip(parts, probs):
+        subscripts = "bhts,bsd->bthd" if keys.ndim == 3 else "bhts,btsd->bthd"
+        out = out + jnp.einsum(subscripts, (p / total).astype(keys.dtype), keys, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
 
 
 class GroupedLinear(nn.Module):
@@ -274,21 +288,34 @@ class Attention(nn.Module):
             keys, mask = self._window(kv, positions, start, cache)
             window, window_pos = ring_write(cache.window, cache.window_pos, kv, start, count)
         compressor = indexer = None
+        parts = [(keys, mask)]
         if self.layer_type != SLIDING:
             with jax.named_scope("compressed"):
                 compressor = self.compressor(x, positions, start, count, cache.compressor)
-                entries = compressor.entries
+                entries = compressor.entries.astype(keys.dtype)
                 visible = visible_entries(positions, entries.shape[1], c.compress_rate(self.layer_type))
-                if self.layer_type == CSA:
-                    chosen, indexer = self.indexer(x, q_latent, positions, start, count, cache.indexer)
-                    visible = visible & chosen
-                keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
-                mask = jnp.concatenate([mask, visible], axis=-1)
+                if self.layer_type == HCA:
+                    parts.append((entries, visible))
+                else:
+                    top, valid, indexer = self.indexer(x, q_latent, positions, start, count, cache.indexer)
+                    parts.append(self._selected(entries, top, valid))
         with jax.named_scope("attend"):
-            out = sink_attention(q, keys, mask, self.sinks, c.head_dim ** -0.5)
+            out = sink_attention(q, parts, self.sinks, c.head_dim ** -0.5)
             out = rotate_tail(out, positions, freqs, inverse=True)
         out = self.o_b_proj(self.o_a_proj(out))
         return out, LayerCache(window=window, window_pos=window_pos, compressor=compressor, indexer=indexer)
+
+    def _selected(self, entries, top, valid):
+        """The CSA entries the indexer kept, as a (keys, mask) part: for few queries (decode steps,
+        verify passes, MTP drafts; at most GATHER_QUERIES) each query's own entries gathered, so the
+        attention reads index_topk entries rather than every one; for more (prefill chunks) every
+        entry with the unkept ones masked. entries [B, M, d], top / valid [B, T, K]."""
+        b, steps, _ = top.shape
+        if steps <= GATHER_QUERIES:
+            return jnp.take_along_axis(entries[:, None], top[..., None], axis=2), valid
+        chosen = jnp.zeros((b, steps, entries.shape[1]), bool)
+        chosen = chosen.at[jnp.arange(b)[:, None, None], jnp.arange(steps)[None, :, None], top].set(valid)
+        return entries, chosen
 
     def _window(self, kv, positions, start, cache: LayerCache):
         """Keys of the sliding window: the ring's rows before this chunk, then the chunk's own.
