@@ -178,6 +178,23 @@ def sparse_section() -> str:
             "dominates a step, as on the CPU.\n\n" + "\n".join(parts))
 
 
+def family_section() -> str:
+    result = load("family_step")
+    if result is None:
+        return ""
+    rows = [[r["cached_tokens"], r["rows"], f"{r['v3_ms']:.3f}", f"{r['v32_ms']:.3f}", f"{r['v4_ms']:.3f}",
+             f"{r['v3_ms'] / r['v4_ms']:.2f}x", f"{r['v32_ms'] / r['v4_ms']:.2f}x"] for r in result["figures"]]
+    return ("## DeepSeek-V3, V3.2 and V4 at the same widths\n\nThe main forward of one decode step (1 row) and one "
+            "verify pass (4 rows, k = 3) at the same tiny widths, random weights, batch 1 "
+            "(`benchmarks/family_step.py`; the widths keep the cache per token per layer and the indexers alike). "
+            "V3 attends to every cached token, V3.2 to the 2048 its indexer selects; V4 attends to a 128-position "
+            "window plus, in its CSA layer, the 512 of one entry per 4 tokens that its indexer selects and, in its "
+            "HCA layer, every entry of one per 128 tokens. Two layers each, so the V4 model has one CSA and one "
+            "HCA layer; the released V4 models alternate them.\n\n"
+            + table(["cached tokens", "rows", "V3 (ms)", "V3.2 (ms)", "V4 (ms)", "V3 / V4", "V3.2 / V4"], rows)
+            + "\n\n" + source(result, "family_step") + "\n")
+
+
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
@@ -512,7 +529,8 @@ def page() -> str:
              "from the measuring machine's own standard library, whose text differs between Python versions.\n",
              "## Speculative decoding on the demo model\n",
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
-             auto_section(), decode_step_section(), serving_section(), engine_latency_section(), sparse_section(), real_width_section(),
+             auto_section(), decode_step_section(), serving_section(), engine_latency_section(), sparse_section(), family_section(),
+             real_width_section(),
              plans_section(), device_plan_section(), cold_start_section()]
     return "\n".join(p for p in parts if p).rstrip() + "\n"
 
