@@ -177,6 +177,10 @@ class ModelConfig:
         if not isinstance(raw, Mapping):
             raise ConfigError(f"config.json: expected a JSON object of fields, found a JSON {type(raw).__name__}")
         model_type = raw.get("model_type")
+        if model_type in ("deepseek_v4", "deepseek_v41"):
+            raise ConfigError(f"model_type: {model_type!r} is DeepSeek-V4, another architecture: "
+                              "jaxmtp.models.deepseek_v4 runs deepseek_v4 (docs/deepseek_v4.md); this reads the "
+                              "DeepSeek-V3 architecture (V3, R1, V3.1, V3.2, Moonlight, Kimi K2)")
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type: expected one of {', '.join(map(repr, MODEL_TYPES))} (the DeepSeek-V3 "
                               f"architecture: V3, R1, V3.1, V3.2, Moonlight, Kimi K2), found {model_type!r}")

@@ -283,6 +283,13 @@ def test_bad_configs_are_refused_by_name(change, message):
         V4Config.from_hf_config(raw)
 
 
+def test_v3_config_reader_points_v4_to_its_package():
+    from jaxmtp.config import ModelConfig
+
+    with pytest.raises(ConfigError, match="'deepseek_v4' is DeepSeek-V4, another architecture: jaxmtp.models.deepseek_v4"):
+        ModelConfig.from_hf_config(f"{CONFIGS}/deepseek_v4_flash.json")
+
+
 def test_unknown_tensor_names_are_refused():
     config = V4Config.from_hf_config(f"{CONFIGS}/deepseek_v4_flash.json")
     with pytest.raises(CheckpointError, match="model.layers.0.self_attn.wq_c.weight"):
