@@ -204,6 +204,10 @@ def test_speculative_greedy_is_plain_greedy_across_window_and_compression_bounda
     tokens, rounds = generate(model, prompts, 30, "auto", k_max=3, costs=[1.0, 1.2, 1.4, 1.6], **sizes)
     assert tokens == plain
     assert len({k for k, _ in rounds}) > 1
+    # stop ids end a row after the first (kept); prefilled in chunks of 4
+    stop = plain[1][5]
+    tokens, _ = generate(model, prompts, 30, 2, eos_token_id=[stop], prefill_chunk=4, **sizes)
+    assert tokens == [row[:row.index(stop) + 1] if stop in row else row for row in plain]
     # on a mesh: attention data-parallel over the rows, experts over data x expert, heads over tensor
     mesh = make_mesh(data=2, expert=2, tensor=2)
     with warnings.catch_warnings():

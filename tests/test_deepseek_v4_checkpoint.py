@@ -15,12 +15,13 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxmtp.config import QuantizationConfig
-from jaxmtp.errors import CheckpointError, ConfigError
+from jaxmtp.errors import CheckpointError, ConfigError, InputError
 from jaxmtp.models.deepseek_v4 import CSA, HCA, V4Config, init_v4
 from jaxmtp.models.deepseek_v4 import names as v4names
 from jaxmtp.models.deepseek_v4.checkpoint import (FP4_CODES, decode_fp4, e8m0_to_float32, float32_to_e8m0,
                                                    fp4_weight, is_fp4, load_v4, pack_fp4, save_v4, unpack_fp4,
                                                    with_matmul)
+from jaxmtp.models.deepseek_v4.speculative import generate
 from jaxmtp.moe import gathered_experts, local_experts
 from jaxmtp.quant import QuantizedWeight, dequantize
 
@@ -173,8 +174,9 @@ def released(tmp_path_factory):
 @pytest.fixture(scope="module")
 def loaded(released):
     directory, _ = released
-    kept, note = load_v4(directory)
-    dense, dense_note = load_v4(directory, keep_quantized=False)
+    kept = load_v4(directory)
+    dense = load_v4(directory, keep_quantized=False)
+    note, dense_note = kept.mtp_note, dense.mtp_note
     assert note is None and dense_note is None
     return kept, dense
 
@@ -336,12 +338,12 @@ def test_kept_weights_run_the_fp8_kernels(loaded):
 # ----- (iii) save -> load ----------------------------------------------------------------------
 def test_released_layout_round_trips_bit_for_bit(released, tmp_path):
     directory, _ = released
-    model, _ = load_v4(directory, dtype="bfloat16")  # the dtype the release's dense tensors have
+    model = load_v4(directory, dtype="bfloat16")  # the dtype the release's dense tensors have
     save_v4(model, tmp_path / "out", max_shard_bytes=200_000)
     assert len([f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors")]) > 1
     assert raw_tensors(tmp_path / "out") == raw_tensors(directory)
-    again, note = load_v4(tmp_path / "out")
-    assert note is None and again.config == load_v4(directory)[0].config
+    again = load_v4(tmp_path / "out")
+    assert again.mtp_note is None and again.config == load_v4(directory).config
     with pytest.raises(CheckpointError, match="pass overwrite=True"):
         save_v4(model, tmp_path / "out")
     save_v4(model, tmp_path / "out", overwrite=True)
@@ -364,11 +366,13 @@ def test_transformers_loads_what_save_v4_writes_in_either_layout(loaded, tmp_pat
         with torch.no_grad():
             got = hf.float()(torch.tensor(TOKENS)).logits.numpy()
         np.testing.assert_allclose(got, np.asarray(want), rtol=0, atol=1e-4)
-        back, note = load_v4(tmp_path / layout)
+        back = load_v4(tmp_path / layout)
+        note = back.mtp_note
         assert note is None and back.config == dense.config
         assert_same_params(back.params, dense.params)
     hf.save_pretrained(tmp_path / "saved")
-    back, note = load_v4(tmp_path / "saved")
+    back = load_v4(tmp_path / "saved")
+    note = back.mtp_note
     assert "transformers' layout has no MTP block" in note and not back.config.has_mtp
     assert_same_params(back.params, {k: v for k, v in dense.params.items() if k != "mtp"})
 
@@ -429,7 +433,7 @@ def fp8_experts(tensors, experts=range(4)):
 
 def test_fp8_experts_with_float32_scales_load_as_fp8(released, tmp_path):
     tensors = fp8_experts(released[1])
-    model, _ = load_v4(variant(released, tmp_path, lambda t: t.update(tensors)))
+    model = load_v4(variant(released, tmp_path, lambda t: t.update(tensors)))
     up = model.params["layers_1"]["mlp"]["experts"]["up_proj"]
     assert isinstance(up, QuantizedWeight) and not is_fp4(up) and up.block == (128, 128)
     want = ref_fp8_decode(tensors["layers.1.ffn.experts.3.w3.weight"],
@@ -444,9 +448,12 @@ def test_fp8_experts_with_float32_scales_load_as_fp8(released, tmp_path):
                                   "mtp.0.h_proj.scale")] and t.update({"mtp.0.main_proj.weight": t["embed.weight"]}),
 ])
 def test_a_dspark_drafter_in_mtp_loads_the_main_model_and_says_why(released, loaded, tmp_path, change):
-    model, note = load_v4(variant(released, tmp_path, change), keep_quantized=False)
+    model = load_v4(variant(released, tmp_path, change), keep_quantized=False)
+    note = model.mtp_note
     assert "DSpark" in note and model.config.num_nextn_predict_layers == 0 and "mtp" not in model.params
     assert_same_params(model.params, {k: v for k, v in loaded[1].params.items() if k != "mtp"})
+    with pytest.raises(InputError, match="no MTP block to draft with.*DSpark"):
+        generate(model, [[1, 2, 3]], 2, k=1)
 
 
 def test_deepseek_v41_is_refused_by_name(released, tmp_path):

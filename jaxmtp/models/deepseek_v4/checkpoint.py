@@ -26,7 +26,7 @@ transformers ignores `mtp.*` when it loads).
 A checkpoint whose `mtp.*` is not DeepSeek-V4's MTP block (DeepSeek's DSpark block drafter ships
 there: several `mtp.N` blocks, `markov_head` / `confidence_head` / `main_proj` tensors, no
 `e_proj` / `h_proj`), or that has no `mtp.*` at all, loads its main model only, with
-`num_nextn_predict_layers` 0, and `load_v4` says why in the note it returns beside the model.
+`num_nextn_predict_layers` 0, and the model's `mtp_note` says why (speculation refuses it with that).
 
 Files are read one tensor at a time through a memory map (safetensors headers are parsed and checked
 by `safetensors`; the bytes, including `F8_E8M0`, which safetensors' numpy reader cannot return, are
@@ -226,11 +226,11 @@ def dspark_reason(names) -> str | None:
 
 # ----- loading -------------------------------------------------------------------------------
 def load_v4(path, *, dtype=None, keep_quantized: bool = True, matmul: str = "dequant", mtp: bool = True,
-            check_finite: bool = True) -> tuple[V4Model, str | None]:
+            check_finite: bool = True) -> V4Model:
     """Loads a DeepSeek-V4 checkpoint directory (config.json + *.safetensors [+ index]) in DeepSeek's
-    released layout or transformers' (see the module docstring). -> (model, note): note None when
-    everything the config promises was loaded, else a sentence saying what was left out and why (an
-    MTP block that is a DSpark drafter or is absent: the model then has num_nextn_predict_layers 0).
+    released layout or transformers' (see the module docstring). An MTP block that is a DSpark
+    drafter or is absent is left out: the model then has num_nextn_predict_layers 0, and its
+    `mtp_note` says what was left out and why (None when everything the config promises loaded).
 
     Args:
       dtype: the dense parameters' dtype (default float32; bfloat16 is what the release ships).
@@ -273,11 +273,11 @@ def load_v4(path, *, dtype=None, keep_quantized: bool = True, matmul: str = "deq
         _put(params, path, _to_device(buffers.pop(path)))
     kept = {form for form in leaf_forms.values() if form != "dense"} if keep_quantized else set()
     expert_forms = {form for path, form in leaf_forms.items() if v4names.split_path(path)[2] in v4names.EXPERT_WEIGHTS}
-    model = V4Model(_loaded_config(config, kept, expert_forms, block), params)
+    model = V4Model(_loaded_config(config, kept, expert_forms, block), params, mtp_note=note)
     if kept:
         scale_fmt = model.config.quantization.scale_fmt if model.config.quantization else None
         model = dataclasses.replace(model, params=with_matmul(model.params, matmul, scale_fmt))
-    return model, note
+    return model
 
 
 def _mtp_plan(config: V4Config, names, layout: str, mtp: bool):

@@ -33,6 +33,8 @@ class V4Model:
     config: V4Config
     params: Any
     mesh: Any = None
+    # Why a checkpoint's MTP block was not loaded (a DSpark drafter, or none shipped), or None.
+    mtp_note: str | None = None
 
     def mesh_context(self):
         """`jax.set_mesh(mesh)` for the model's mesh (the MoE layers read it); steps enter it."""
@@ -77,7 +79,8 @@ class V4Model:
         """The MTP block over streams [B, T, N, D] and the tokens after them [B, T] at positions
         start[b] + t -> (logits [B, T, V] of the token after those, its streams, cache)."""
         if not self.config.has_mtp:
-            raise InputError("mtp_step: this model has no MTP block (num_nextn_predict_layers = 0)")
+            raise InputError("mtp_step: this model has no MTP block (num_nextn_predict_layers = 0)"
+                             + (f": {self.mtp_note}" if self.mtp_note else ""))
         with self.mesh_context():
             args = self.place_rows((jnp.asarray(streams, self.dtype), jnp.asarray(next_tokens, jnp.int32),
                                     jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32)))

@@ -60,28 +60,63 @@ def _at(values, index):
     return jnp.take_along_axis(values, index.reshape((-1, 1) + (1,) * (values.ndim - 2)), axis=1)[:, 0]
 
 
+@partial(jax.jit, static_argnums=(0, 1))
+def prefill_chunk(config, dtype, params, chunk, at, lengths, caches, window, last):
+    """The main model over prompt positions at..at+C-1 of every row (chunk [B, C], rows right-padded
+    to lengths [B]). Keeps what the rest of the prefill needs: window [B, S, N, D], the streams of
+    each row's last S = window.shape[1] prompt positions (from max(lengths - S, 0)), and last [B, V],
+    the logits at each row's last prompt position. -> (caches, window, last)."""
+    apply = _module(config, dtype, params)
+    b, width = chunk.shape
+    count = jnp.clip(lengths - at, 0, width)
+    logits, _, streams, caches = apply(chunk, jnp.full((b,), at, jnp.int32), count, caches)
+    wanted = jnp.maximum(lengths - window.shape[1], 0)[:, None] + jnp.arange(window.shape[1])[None] - at
+    here = (wanted >= 0) & (wanted < width)
+    window = jnp.where(here[..., None, None], jnp.take_along_axis(
+        streams, jnp.clip(wanted, 0, width - 1)[..., None, None], axis=1).astype(window.dtype), window)
+    ends = lengths - 1 - at
+    last = jnp.where(((ends >= 0) & (ends < width))[:, None], _at(logits, jnp.clip(ends, 0, width - 1)), last)
+    return caches, window, last
+
+
 @partial(jax.jit, static_argnums=(0, 1, 2))
-def prefill(config, dtype, mode: SamplingMode, params, sampling, key, prompt, lengths, caches, mtp_cache):
-    """prompt [B, P] right-padded to lengths [B] -> RoundState with t_n at position lengths. The MTP
-    block, which attends to the sliding window only, runs on the prompt's last sliding_window
-    positions."""
+def prefill_finish(config, dtype, mode: SamplingMode, params, sampling, key, prompt, lengths, window, last, mtp_cache):
+    """Chooses t_n (at position lengths) from the last prompt logits, and runs the MTP block over
+    the window of the prompt's last positions (it attends to the sliding window only), which drafts
+    d1. -> RoundState."""
     apply = _module(config, dtype, params)
     b, width = prompt.shape
+    span = window.shape[1]
     first_key, draft_key, key = split(key, 3)
-    logits, _, streams, caches = apply(prompt, jnp.zeros(b, jnp.int32), lengths, caches)
-    token, _ = choose(first_key, _at(logits, lengths - 1), mode, sampling)
+    token, _ = choose(first_key, last, mode, sampling)
     seq = jnp.concatenate([prompt, jnp.zeros((b, 1), jnp.int32)], axis=1).at[jnp.arange(b), lengths].set(token)
-    span = min(config.sliding_window, width)
     start = jnp.maximum(lengths - span, 0)
-    at = jnp.clip(start[:, None] + jnp.arange(span)[None], 0, width - 1)
-    window = jnp.take_along_axis(streams, at[:, :, None, None], axis=1)
-    nexts = jnp.take_along_axis(seq, at + 1, axis=1)
+    nexts = jnp.take_along_axis(seq, jnp.clip(start[:, None] + jnp.arange(span)[None] + 1, 0, width), axis=1)
     mtp_logits, mtp_streams, mtp_cache = apply(window, nexts, start, lengths - start, mtp_cache,
                                                method=DeepseekV4.mtp_step)
-    last = lengths - start - 1
-    draft, probs = choose(draft_key, _at(mtp_logits, last), mode, sampling)
-    return RoundState(caches=caches, mtp_cache=mtp_cache, n=lengths, token=token, draft=draft, draft_probs=probs,
-                      recycled=_at(mtp_streams, last)[:, None], key=key)
+    end = lengths - start - 1
+    draft, probs = choose(draft_key, _at(mtp_logits, end), mode, sampling)
+    return RoundState(caches=(), mtp_cache=mtp_cache, n=lengths, token=token, draft=draft,
+                      draft_probs=probs, recycled=_at(mtp_streams, end)[:, None], key=key)
+
+
+def prefill(model: V4Model, mode: SamplingMode, sampling, key, prompt, lengths, caches, mtp_cache,
+            chunk: int | None = None) -> RoundState:
+    """The prompts [B, P] (right-padded to lengths [B]) in chunks of `chunk` positions (default: one
+    pass; P must then be a multiple of it) -> the first round's state."""
+    c, dtype = model.config, model.dtype
+    b, width = prompt.shape
+    chunk = chunk or width
+    span = min(c.sliding_window, width)
+    window = jnp.zeros((b, span, c.hc_mult, c.hidden_size), dtype)
+    last = jnp.zeros((b, c.vocab_size), jnp.float32)
+    with model.mesh_context():
+        window, last, prompt, lengths = model.place_rows((window, last, jnp.asarray(prompt), jnp.asarray(lengths)))
+        for at in range(0, width, chunk):
+            caches, window, last = prefill_chunk(c, dtype, model.params, prompt[:, at:at + chunk], at, lengths,
+                                                 caches, window, last)
+        state = prefill_finish(c, dtype, mode, model.params, sampling, key, prompt, lengths, window, last, mtp_cache)
+    return state.replace(caches=caches)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -125,13 +160,15 @@ def run_round(config, dtype, k: int, mode: SamplingMode, repair: bool, params, s
 
 def generate(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, k_max: int = 3, costs=None,
-             cache_len: int | None = None, headroom: int | None = None):
+             cache_len: int | None = None, headroom: int | None = None, prefill_chunk: int | None = None,
+             eos_token_id=None):
     """Decodes each prompt (no stop tokens) with k drafts per round (0: plain; "auto": chosen every
     AUTO_SEGMENT rounds in 0..k_max from `costs` [k_max + 1], a round's cost in plain rounds, and the
     acceptance so far, as jaxmtp.adaptive does), greedily at temperature 0, else sampling from the
-    temperature / top-k / top-p distribution. cache_len (positions) and headroom (at least the most
-    drafts + 1) size the caches; by default as this call needs, and calls with equal sizes share
-    their compiled programs.
+    temperature / top-k / top-p distribution. A row ends after its eos_token_id (an id or a list; kept) or
+    max_new_tokens. Prompts are prefilled in chunks of `prefill_chunk` positions (default: one
+    pass). cache_len (positions) and headroom (at least the most drafts + 1) size the caches; by
+    default as this call needs, and calls with equal sizes share their compiled programs.
     -> (the new tokens of each prompt, (k, accepted a [B]) of every round)."""
     prompts = checks.prompts(prompts, model.config.vocab_size)
     checks.whole("max_new_tokens", max_new_tokens, minimum=1)
@@ -144,12 +181,16 @@ def generate(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, 
         checks.whole("k", k, minimum=0)
     most = k_max if auto else k
     if most and not model.config.has_mtp:
-        raise InputError("k: this model has no MTP block to draft with (num_nextn_predict_layers = 0)")
+        raise InputError("k: this model has no MTP block to draft with (num_nextn_predict_layers = 0)"
+                         + (f": {model.mtp_note}" if model.mtp_note else ""))
     mode = SamplingMode.of(checks.real("temperature", temperature, 0.0), top_k, top_p)
     sampling = SamplingParams(temperature=jnp.float32(temperature or 1.0), top_k=jnp.int32(max(top_k, 1)),
                               top_p=jnp.float32(top_p))
+    stops = set(checks.eos_ids(eos_token_id, model.config.vocab_size))
     lengths = np.array([len(p) for p in prompts], np.int32)
-    b, width = len(prompts), int(lengths.max())
+    b = len(prompts)
+    chunk = prefill_chunk and checks.whole("prefill_chunk", prefill_chunk, minimum=1)
+    width = -(-int(lengths.max()) // chunk) * chunk if chunk else int(lengths.max())
     prompt = np.zeros((b, width), np.int32)
     for i, p in enumerate(prompts):
         prompt[i, :len(p)] = p
@@ -157,33 +198,37 @@ def generate(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, 
     max_len = checks.whole("cache_len", cache_len, minimum=needed) if cache_len is not None else needed
     headroom = checks.whole("headroom", headroom, minimum=most + 1) if headroom is not None else most + 1
     c, dtype = model.config, model.dtype
-    with model.mesh_context():
-        state = prefill(c, dtype, mode, model.params, sampling, jax.random.key(seed), *model.place_rows((prompt, lengths)),
-                        model.new_caches(b, max_len, headroom), model.new_mtp_cache(b, max_len, headroom))
+    state = prefill(model, mode, sampling, jax.random.key(seed), prompt, lengths, model.new_caches(b, max_len, headroom),
+                    model.new_mtp_cache(b, max_len, headroom), chunk)
     out = [[int(t)] for t in np.asarray(state.token)]
+    done = [len(row) >= max_new_tokens or row[-1] in stops for row in out]
     rounds, counts, chosen = [], AcceptanceCounts.zeros(max(most, 1)), most
-    while min(len(row) for row in out) < max_new_tokens:
+    while not all(done):
         if auto and len(rounds) % AUTO_SEGMENT == 0:
             chosen = min(int(best_k(counts, jnp.asarray(costs, jnp.float32))), chosen + 1 if rounds else 1)
         with model.mesh_context():
             state, committed, accepted = run_round(c, dtype, chosen, mode, auto and not chosen, model.params,
                                                    sampling, state)
         committed, accepted = np.asarray(committed), np.asarray(accepted)
+        live = np.array([not d for d in done])
         rounds.append((chosen, accepted))
-        counts = counts.update(chosen, jnp.asarray(accepted), jnp.ones(b, bool))
+        counts = counts.update(chosen, jnp.asarray(accepted), jnp.asarray(live))
         for i, row in enumerate(out):
-            row.extend(int(t) for t in committed[i, :accepted[i] + 1])
-    return [row[:max_new_tokens] for row in out], rounds
-
+            for t in committed[i, :accepted[i] + 1] if live[i] else ():
+                row.append(int(t))
+                if len(row) >= max_new_tokens or t in stops:
+                    done[i] = True
+                    break
+    return out, rounds
 
 def measure_costs(model: V4Model, batch: int, max_len: int, k_max: int, repeats: int = 5) -> np.ndarray:
     """A greedy round's time at k = 0..k_max (with the MTP repair auto runs) over a plain round's,
     median of `repeats` after a compile, for `batch` rows of caches of max_len -> [k_max + 1]."""
     mode, c, dtype = SamplingMode(), model.config, model.dtype
     sampling = SamplingParams(temperature=jnp.float32(1), top_k=jnp.int32(1), top_p=jnp.float32(1))
-    prompt = np.zeros((batch, 8), np.int32)
-    state = prefill(c, dtype, mode, model.params, sampling, jax.random.key(0), prompt, np.full(batch, 8, np.int32),
-                    model.new_caches(batch, max_len, k_max + 1), model.new_mtp_cache(batch, max_len, k_max + 1))
+    state = prefill(model, mode, sampling, jax.random.key(0), np.zeros((batch, 8), np.int32),
+                    np.full(batch, 8, np.int32), model.new_caches(batch, max_len, k_max + 1),
+                    model.new_mtp_cache(batch, max_len, k_max + 1))
 
     def seconds(k, repair):
         jax.block_until_ready(run_round(c, dtype, k, mode, repair, model.params, sampling, state))
