@@ -179,7 +179,7 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type in ("deepseek_v4", "deepseek_v41"):
             raise ConfigError(f"model_type: {model_type!r} is DeepSeek-V4, another architecture: "
-                              "jaxmtp.models.deepseek_v4 runs deepseek_v4 (docs/deepseek_v4.md); this reads the "
+                              "jaxmtp.models.deepseek_v4 runs deepseek_v4 (load_v4; docs/deepseek_v4.md); this reads the "
                               "DeepSeek-V3 architecture (V3, R1, V3.1, V3.2, Moonlight, Kimi K2)")
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type: expected one of {', '.join(map(repr, MODEL_TYPES))} (the DeepSeek-V3 "
