@@ -17,7 +17,7 @@ from jaxmtp.models.deepseek_v4 import CSA, HCA, SLIDING, V4Config, V4Model, init
 from jaxmtp.models.deepseek_v4.model import param_shardings
 from jaxmtp.models.deepseek_v4.names import params_from_hf
 from jaxmtp.sharding import ShardingWarning, make_mesh
-from jaxmtp.models.deepseek_v4.speculative import generate
+from jaxmtp.models.deepseek_v4.speculative import generate, stream
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -195,25 +195,33 @@ def test_speculative_greedy_is_plain_greedy_across_window_and_compression_bounda
     plain = model.greedy(prompts, 30)
     sizes = dict(cache_len=200, headroom=5)  # one cache shape: the rounds at each k compile once
     for k in (1, 2, 3, 4):
-        tokens, rounds = generate(model, prompts, 30, k, **sizes)
-        accepted = np.array([a for _, a in rounds])
+        out = generate(model, prompts, 30, k, **sizes)
+        tokens, accepted = out.tokens, np.array([a for _, a in out.rounds])
         assert tokens == plain, k
         assert (accepted == 0).any() and (accepted >= 1).any(), k
     assert (accepted >= 2).any()
     # auto: k chosen per segment from the acceptance so far and these round costs (in plain rounds)
-    tokens, rounds = generate(model, prompts, 30, "auto", k_max=3, costs=[1.0, 1.2, 1.4, 1.6], **sizes)
-    assert tokens == plain
-    assert len({k for k, _ in rounds}) > 1
+    out = generate(model, prompts, 30, "auto", k_max=3, costs=[1.0, 1.2, 1.4, 1.6], **sizes)
+    assert out.tokens == plain
+    assert len({k for k, _ in out.rounds}) > 1
+    # each token's log-probability is the main model's log-softmax at its position, from one whole pass
+    logits, _ = model.forward([prompts[1] + plain[1]])
+    want = jax.nn.log_softmax(np.asarray(logits[0]), axis=-1)
+    at = np.arange(len(prompts[1]) - 1, len(prompts[1]) + 29)
+    np.testing.assert_allclose(out.logprobs[1], np.asarray(want)[at, plain[1]], atol=1e-4)
+    # streamed: the same tokens, a round's worth at a time
+    pieces = list(stream(model, prompts[1], 30, 2, **sizes))
+    assert sum(pieces, []) == plain[1] and len(pieces) < 30
     # stop ids end a row after the first (kept); prefilled in chunks of 4
     stop = plain[1][5]
-    tokens, _ = generate(model, prompts, 30, 2, eos_token_id=[stop], prefill_chunk=4, **sizes)
+    tokens = generate(model, prompts, 30, 2, eos_token_id=[stop], prefill_chunk=4, **sizes).tokens
     assert tokens == [row[:row.index(stop) + 1] if stop in row else row for row in plain]
     # on a mesh: attention data-parallel over the rows, experts over data x expert, heads over tensor
     mesh = make_mesh(data=2, expert=2, tensor=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ShardingWarning)
         sharded = V4Model(config, jax.device_put(model.params, param_shardings(config, model.params, mesh)), mesh)
-        tokens, _ = generate(sharded, prompts + [prompts[0]], 30, 2)
+        tokens = generate(sharded, prompts + [prompts[0]], 30, 2).tokens
     assert tokens == plain + [plain[0]]
 
 
@@ -231,7 +239,8 @@ def test_speculative_sampling_at_k2_follows_the_model():
                       sliding_window=4, compress_rates=(2, 8), o_groups=2, o_lora_rank=8, index_n_heads=8,
                       index_head_dim=8, index_topk=1, hc_mult=2, initializer_range=0.15)
     model = init_v4(config, seed=4)
-    tokens, rounds = generate(model, [prompt] * samples, 3, 2, temperature=1.0, seed=17)
+    out = generate(model, [prompt] * samples, 3, 2, temperature=1.0, seed=17)
+    tokens, rounds = out.tokens, out.rounds
     counts = np.zeros((vocab,) * 3)
     np.add.at(counts, tuple(np.array(tokens).T), 1)
     pairs = np.array(list(itertools.product(range(vocab), repeat=2)))

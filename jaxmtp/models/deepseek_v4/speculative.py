@@ -15,6 +15,7 @@ entries are rolled back by advancing n by a + 1 only. Plain decoding is the k = 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from functools import partial
@@ -30,7 +31,7 @@ from jaxmtp.decoding import AUTO_SEGMENT
 from jaxmtp.errors import InputError
 from jaxmtp.models.deepseek_v4.model import V4Model
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4
-from jaxmtp.sampling import SamplingMode, SamplingParams, choose, split
+from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities, split
 from jaxmtp.speculative import verify_greedy, verify_sampled
 
 
@@ -83,12 +84,14 @@ def prefill_chunk(config, dtype, params, chunk, at, lengths, caches, window, las
 def prefill_finish(config, dtype, mode: SamplingMode, params, sampling, key, prompt, lengths, window, last, mtp_cache):
     """Chooses t_n (at position lengths) from the last prompt logits, and runs the MTP block over
     the window of the prompt's last positions (it attends to the sliding window only), which drafts
-    d1. -> RoundState."""
+    d1. -> (RoundState, the log-probability of t_n [B] under the distribution it was chosen from)."""
     apply = _module(config, dtype, params)
     b, width = prompt.shape
     span = window.shape[1]
     first_key, draft_key, key = split(key, 3)
     token, _ = choose(first_key, last, mode, sampling)
+    logprob = _at(log_probabilities(last[:, None], mode, sampling), jnp.zeros(b, jnp.int32))
+    logprob = jnp.take_along_axis(logprob, token[:, None], axis=-1)[:, 0]
     seq = jnp.concatenate([prompt, jnp.zeros((b, 1), jnp.int32)], axis=1).at[jnp.arange(b), lengths].set(token)
     start = jnp.maximum(lengths - span, 0)
     nexts = jnp.take_along_axis(seq, jnp.clip(start[:, None] + jnp.arange(span)[None] + 1, 0, width), axis=1)
@@ -96,14 +99,14 @@ def prefill_finish(config, dtype, mode: SamplingMode, params, sampling, key, pro
                                                method=DeepseekV4.mtp_step)
     end = lengths - start - 1
     draft, probs = choose(draft_key, _at(mtp_logits, end), mode, sampling)
-    return RoundState(caches=(), mtp_cache=mtp_cache, n=lengths, token=token, draft=draft,
-                      draft_probs=probs, recycled=_at(mtp_streams, end)[:, None], key=key)
+    return RoundState(caches=(), mtp_cache=mtp_cache, n=lengths, token=token, draft=draft, draft_probs=probs,
+                      recycled=_at(mtp_streams, end)[:, None], key=key), logprob
 
 
 def prefill(model: V4Model, mode: SamplingMode, sampling, key, prompt, lengths, caches, mtp_cache,
-            chunk: int | None = None) -> RoundState:
+            chunk: int | None = None) -> tuple[RoundState, jax.Array]:
     """The prompts [B, P] (right-padded to lengths [B]) in chunks of `chunk` positions (default: one
-    pass; P must then be a multiple of it) -> the first round's state."""
+    pass; P must then be a multiple of it) -> (the first round's state, t_n's log-probability [B])."""
     c, dtype = model.config, model.dtype
     b, width = prompt.shape
     chunk = chunk or width
@@ -115,8 +118,9 @@ def prefill(model: V4Model, mode: SamplingMode, sampling, key, prompt, lengths, 
         for at in range(0, width, chunk):
             caches, window, last = prefill_chunk(c, dtype, model.params, prompt[:, at:at + chunk], at, lengths,
                                                  caches, window, last)
-        state = prefill_finish(c, dtype, mode, model.params, sampling, key, prompt, lengths, window, last, mtp_cache)
-    return state.replace(caches=caches)
+        state, logprob = prefill_finish(c, dtype, mode, model.params, sampling, key, prompt, lengths, window, last,
+                                        mtp_cache)
+    return state.replace(caches=caches), logprob
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -124,7 +128,8 @@ def run_round(config, dtype, k: int, mode: SamplingMode, repair: bool, params, s
     """One round of k drafts (0: plain decoding) for every row. `repair` (implied at k > 0) runs the
     MTP block over the committed positions, so that a later round can draft; auto's rounds at k = 0
     do, plain decoding's do not.
-    -> (state, committed [B, k + 1]: the first a + 1 of each row are its new tokens, accepted a [B])."""
+    -> (state, committed [B, k + 1]: the first a + 1 of each row are its new tokens, their
+    log-probabilities [B, k + 1] under the distribution each was verified against, accepted a [B])."""
     apply = _module(config, dtype, params)
     b = state.n.shape[0]
     one = jnp.ones(b, jnp.int32)
@@ -147,6 +152,7 @@ def run_round(config, dtype, k: int, mode: SamplingMode, repair: bool, params, s
     else:
         accepted, after = jnp.zeros(b, jnp.int32), choose(keys[0], logits[:, 0], mode, sampling)[0]
     committed = jnp.concatenate([drafts, after[:, None]], axis=1).at[jnp.arange(b), accepted].set(after)
+    logprobs = jnp.take_along_axis(log_probabilities(logits, mode, sampling), committed[..., None], axis=-1)[..., 0]
     draft, draft_probs, recycled = state.draft, state.draft_probs, state.recycled
     if k or repair:
         mtp_logits, mtp_streams, mtp_cache = apply(main_streams, committed, n, accepted + 1, mtp_cache,
@@ -155,13 +161,45 @@ def run_round(config, dtype, k: int, mode: SamplingMode, repair: bool, params, s
         recycled = _at(mtp_streams, accepted)[:, None]
     state = RoundState(caches=caches, mtp_cache=mtp_cache, n=n + accepted + 1, token=after, draft=draft,
                        draft_probs=draft_probs, recycled=recycled, key=keys[k + 2])
-    return state, committed, accepted
+    return state, committed, logprobs, accepted
 
 
-def generate(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, k_max: int = 3, costs=None,
-             cache_len: int | None = None, headroom: int | None = None, prefill_chunk: int | None = None,
-             eos_token_id=None):
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """tokens: the new tokens of each prompt; logprobs: their log-probabilities under the
+    distribution each was chosen from (the model's softmax where greedy); rounds: (k, accepted
+    drafts per row [B]) of every round."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    rounds: list[tuple[int, np.ndarray]]
+
+
+def generate(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, **options) -> Output:
+    """Decodes each prompt with k drafts per round; the options and the rules are `decode`'s."""
+    tokens, logprobs, rounds = [[] for _ in prompts], [[] for _ in prompts], []
+    for new, new_logprobs, chosen, accepted in decode(model, prompts, max_new_tokens, k, **options):
+        for row, more in zip(tokens, new):
+            row.extend(more)
+        for row, more in zip(logprobs, new_logprobs):
+            row.extend(more)
+        if chosen is not None:
+            rounds.append((chosen, accepted))
+    return Output(tokens, logprobs, rounds)
+
+
+def stream(model: V4Model, prompt, max_new_tokens: int, k: int | str = 0, **options):
+    """One prompt's new tokens as they are committed: a list per round that commits any (the first
+    from the prefill); `decode`'s options."""
+    for new, _, _, _ in decode(model, [prompt], max_new_tokens, k, **options):
+        if new[0]:
+            yield new[0]
+
+
+def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, seed: int = 0, k_max: int = 3, costs=None,
+           cache_len: int | None = None, headroom: int | None = None, prefill_chunk: int | None = None,
+           eos_token_id=None):
     """Decodes each prompt (no stop tokens) with k drafts per round (0: plain; "auto": chosen every
     AUTO_SEGMENT rounds in 0..k_max from `costs` [k_max + 1], a round's cost in plain rounds, and the
     acceptance so far, as jaxmtp.adaptive does), greedily at temperature 0, else sampling from the
@@ -169,7 +207,8 @@ def generate(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, 
     max_new_tokens. Prompts are prefilled in chunks of `prefill_chunk` positions (default: one
     pass). cache_len (positions) and headroom (at least the most drafts + 1) size the caches; by
     default as this call needs, and calls with equal sizes share their compiled programs.
-    -> (the new tokens of each prompt, (k, accepted a [B]) of every round)."""
+    Yields, after the prefill and after each round: (each row's new tokens, their
+    log-probabilities, the round's k or None for the prefill, its accepted drafts [B] or None)."""
     prompts = checks.prompts(prompts, model.config.vocab_size)
     checks.whole("max_new_tokens", max_new_tokens, minimum=1)
     auto = k == "auto"
@@ -198,35 +237,40 @@ def generate(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, 
     max_len = checks.whole("cache_len", cache_len, minimum=needed) if cache_len is not None else needed
     headroom = checks.whole("headroom", headroom, minimum=most + 1) if headroom is not None else most + 1
     c, dtype = model.config, model.dtype
-    state = prefill(model, mode, sampling, jax.random.key(seed), prompt, lengths, model.new_caches(b, max_len, headroom),
-                    model.new_mtp_cache(b, max_len, headroom), chunk)
-    out = [[int(t)] for t in np.asarray(state.token)]
-    done = [len(row) >= max_new_tokens or row[-1] in stops for row in out]
-    rounds, counts, chosen = [], AcceptanceCounts.zeros(max(most, 1)), most
+    state, logprob = prefill(model, mode, sampling, jax.random.key(seed), prompt, lengths,
+                             model.new_caches(b, max_len, headroom), model.new_mtp_cache(b, max_len, headroom), chunk)
+    count = np.ones(b, int)
+    done = [max_new_tokens == 1 or int(t) in stops for t in np.asarray(state.token)]
+    yield [[int(t)] for t in np.asarray(state.token)], [[float(x)] for x in np.asarray(logprob)], None, None
+    rounds, counts, chosen = 0, AcceptanceCounts.zeros(max(most, 1)), most
     while not all(done):
-        if auto and len(rounds) % AUTO_SEGMENT == 0:
+        if auto and rounds % AUTO_SEGMENT == 0:
             chosen = min(int(best_k(counts, jnp.asarray(costs, jnp.float32))), chosen + 1 if rounds else 1)
         with model.mesh_context():
-            state, committed, accepted = run_round(c, dtype, chosen, mode, auto and not chosen, model.params,
-                                                   sampling, state)
-        committed, accepted = np.asarray(committed), np.asarray(accepted)
+            state, committed, logprobs, accepted = run_round(c, dtype, chosen, mode, auto and not chosen,
+                                                             model.params, sampling, state)
+        committed, logprobs, accepted = np.asarray(committed), np.asarray(logprobs), np.asarray(accepted)
         live = np.array([not d for d in done])
-        rounds.append((chosen, accepted))
+        rounds += 1
         counts = counts.update(chosen, jnp.asarray(accepted), jnp.asarray(live))
-        for i, row in enumerate(out):
-            for t in committed[i, :accepted[i] + 1] if live[i] else ():
-                row.append(int(t))
-                if len(row) >= max_new_tokens or t in stops:
+        new, new_logprobs = [[] for _ in range(b)], [[] for _ in range(b)]
+        for i in np.flatnonzero(live):
+            for t, lp in zip(committed[i, :accepted[i] + 1], logprobs[i]):
+                new[i].append(int(t))
+                new_logprobs[i].append(float(lp))
+                count[i] += 1
+                if count[i] >= max_new_tokens or t in stops:
                     done[i] = True
                     break
-    return out, rounds
+        yield new, new_logprobs, chosen, accepted
+
 
 def measure_costs(model: V4Model, batch: int, max_len: int, k_max: int, repeats: int = 5) -> np.ndarray:
     """A greedy round's time at k = 0..k_max (with the MTP repair auto runs) over a plain round's,
     median of `repeats` after a compile, for `batch` rows of caches of max_len -> [k_max + 1]."""
     mode, c, dtype = SamplingMode(), model.config, model.dtype
     sampling = SamplingParams(temperature=jnp.float32(1), top_k=jnp.int32(1), top_p=jnp.float32(1))
-    state = prefill(model, mode, sampling, jax.random.key(0), np.zeros((batch, 8), np.int32),
+    state, _ = prefill(model, mode, sampling, jax.random.key(0), np.zeros((batch, 8), np.int32),
                     np.full(batch, 8, np.int32), model.new_caches(batch, max_len, k_max + 1),
                     model.new_mtp_cache(batch, max_len, k_max + 1))
 
