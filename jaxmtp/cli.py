@@ -428,6 +428,8 @@ def _generate(args):
     # The prompts are encoded (or refused) before the weights are read, which for a published
     # checkpoint takes many minutes; a --model that is no directory is the loader's to name.
     tokenizer, prompts = _text_inputs(args) if os.path.isdir(args.model) else (None, None)
+    if os.path.isdir(args.model) and _model_type(args.model, "--model") in ("deepseek_v4", "deepseek_v41"):
+        return _generate_v4(args, tokenizer, prompts)
     model = _load(args.model, mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet, matmul=args.matmul)
     config = _generation_config(args, model)
     if not model.config.has_mtp:
@@ -439,6 +441,49 @@ def _generate(args):
         stream = generate_stream(model, prompt, config, tokenizer=tokenizer)
         run_s, first_s = echo(stream, prompt, tokenizer)
         _report(stream.output, config, run_s, first_s, compile_s)
+
+
+def _generate_v4(args, tokenizer, prompts):
+    """`generate` of a DeepSeek-V4 checkpoint (jaxmtp.models.deepseek_v4): one device, FP8 and FP4
+    weights kept, a Python call per round; --k auto measures the rounds' costs first."""
+    from jaxmtp.models.deepseek_v4 import load_v4
+    from jaxmtp.models.deepseek_v4.speculative import measure_costs, stream
+
+    for flag, value in (("--mesh", args.mesh), ("--distributed", args.distributed), ("--stop", args.stop),
+                        ("--stop-tokens", args.stop_tokens), ("--chat", args.chat)):
+        if value:
+            raise UsageError(f"{flag}: not available for DeepSeek-V4 checkpoints yet (docs/deepseek_v4.md)")
+    with _reading("--model", args.model):
+        model = load_v4(args.model, matmul=args.matmul or "dequant")
+    k = args.k
+    if k and not model.config.has_mtp:
+        print(f"no MTP block in this model ({model.mtp_note or 'num_nextn_predict_layers = 0'}): this is plain "
+              "decoding", file=sys.stderr)
+        k = 0
+    max_new = args.max_new_tokens or 64
+    options = dict(temperature=args.temperature or 0.0, top_k=args.top_k or 0,
+                   top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
+                   prefill_chunk=args.prefill_chunk, eos_token_id=None if args.ignore_eos else model.config.eos_token_id)
+    for prompt in prompts:
+        if k == "auto":  # the costs measured on caches of the length the call then uses
+            width = -(-len(prompt) // args.prefill_chunk) * args.prefill_chunk if args.prefill_chunk else len(prompt)
+            options["cache_len"] = width + (max_new + 1) * 4 + 1
+            options["costs"] = measure_costs(model, 1, options["cache_len"], 3).tolist()
+            if not args.quiet:
+                print("round costs in plain rounds, k = 0..3: " + ", ".join(f"{c:.2f}" for c in options["costs"]),
+                      file=sys.stderr)
+        print(tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else f"{prompt} ->", end="", flush=True)
+        began, new, shown = time.perf_counter(), [], 0
+        for tokens in stream(model, prompt, max_new, k, **options):
+            new += tokens
+            if tokenizer is None:
+                print("".join(f" {t}" for t in tokens), end="", flush=True)
+            else:
+                text = tokenizer.decode(new)
+                print(text[shown:], end="", flush=True)
+                shown = len(text)
+        seconds = time.perf_counter() - began
+        print(f"\n\n{len(new)} new tokens in {seconds:.3f} s (compiling included)")
 
 
 def _text_inputs(args):

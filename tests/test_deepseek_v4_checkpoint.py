@@ -459,3 +459,16 @@ def test_a_dspark_drafter_in_mtp_loads_the_main_model_and_says_why(released, loa
 def test_deepseek_v41_is_refused_by_name(released, tmp_path):
     with pytest.raises(ConfigError, match="deepseek_v41"):
         load_v4(variant(released, tmp_path, lambda t: None, dict(CONFIG.to_hf_config(), model_type="deepseek_v41")))
+
+
+def test_generate_cli_decodes_a_v4_checkpoint(loaded, tmp_path, capsys):
+    """`jaxmtp generate --model` of a V4 checkpoint prints the tokens that speculative.generate gives."""
+    from jaxmtp.cli import main
+
+    kept, _ = loaded
+    save_v4(kept, tmp_path / "v4")
+    main(["generate", "--model", str(tmp_path / "v4"), "--tokens", "5,6,7,8,9", "--k", "2", "--max-new-tokens", "6",
+          "--ignore-eos", "--quiet"])
+    printed = capsys.readouterr().out.split("\n")[0]
+    want = generate(load_v4(tmp_path / "v4"), [[5, 6, 7, 8, 9]], 6, 2).tokens[0]
+    assert printed == "[5, 6, 7, 8, 9] ->" + "".join(f" {t}" for t in want)

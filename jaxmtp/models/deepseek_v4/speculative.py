@@ -142,7 +142,7 @@ def run_round(config, dtype, k: int, mode: SamplingMode, repair: bool, params, s
         draft, q = choose(keys[j], logits[:, 0], mode, sampling)
         drafts.append(draft)
         probs.append(q)
-    drafts = jnp.stack(drafts[:k], axis=1).reshape(b, k)
+    drafts = jnp.stack(drafts, axis=1)[:, :k]  # [B, k]; k = 0 drafts nothing
     logits, _, main_streams, caches = apply(jnp.concatenate([state.token[:, None], drafts], axis=1), n,
                                             one * (k + 1), state.caches)
     if mode.greedy:
