@@ -733,10 +733,31 @@ def _train(args):
 def _convert(args):
     from jaxmtp.checkpoint import convert
 
+    if os.path.isdir(args.src) and _model_type(args.src, "src") in ("deepseek_v4", "deepseek_v41"):
+        return _convert_v4(args)
+    if args.format == "deepseek":
+        raise UsageError("--format deepseek: DeepSeek-V4's released layout, for DeepSeek-V4 checkpoints only")
     figures = convert(args.src, args.dst, args.format, dtype=args.dtype, quantized=args.quantized,
                       overwrite=args.overwrite, mesh=_device_mesh(args.mesh))
     print(f"{args.src} -> {args.dst} ({args.format}, {figures['dtype']}): "
           f"load {figures['load_s']:.1f} s, save {figures['save_s']:.1f} s")
+
+
+def _convert_v4(args):
+    """`convert` of a DeepSeek-V4 checkpoint: to DeepSeek's released layout (FP8 and FP4 kept, or
+    dense) or to transformers' (dense)."""
+    from jaxmtp.models.deepseek_v4 import load_v4, save_v4
+
+    if args.format == "orbax" or args.mesh:
+        raise UsageError(f"{'--format orbax' if args.format == 'orbax' else '--mesh'}: not available for "
+                         "DeepSeek-V4 checkpoints yet; --format deepseek or hf, on one device")
+    began = time.perf_counter()
+    with _reading("src", args.src):
+        model = load_v4(args.src, dtype=args.dtype or "bfloat16", keep_quantized=args.quantized == "keep")
+    loaded = time.perf_counter()
+    save_v4(model, args.dst, layout=args.format, overwrite=args.overwrite)
+    print(f"{args.src} -> {args.dst} ({args.format}, {args.dtype or 'bfloat16'}): load {loaded - began:.1f} s, "
+          f"save {time.perf_counter() - loaded:.1f} s")
 
 
 _MESH_HELP = ("load the model onto a mesh of these axis sizes, each device reading only its block of each "
@@ -876,10 +897,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    conv = command("convert", _convert, "rewrite a checkpoint (HF, DeepSeek mp-sharded or orbax) as HF or orbax")
+    conv = command("convert", _convert, "rewrite a checkpoint (HF, DeepSeek mp-sharded or orbax) as HF or orbax; "
+                   "a DeepSeek-V4 one as HF or DeepSeek's released layout")
     conv.add_argument("src", help="checkpoint directory")
     conv.add_argument("dst", help="output directory")
-    conv.add_argument("--format", choices=("hf", "orbax"), required=True, help="output format")
+    conv.add_argument("--format", choices=("hf", "orbax", "deepseek"), required=True,
+                      help="output format (deepseek: DeepSeek-V4's released layout, for V4 checkpoints)")
     conv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                       help="dense parameter dtype; without it, the source's")
     conv.add_argument("--quantized", choices=("keep", "dequantize"), default="keep",

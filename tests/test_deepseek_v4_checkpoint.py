@@ -472,3 +472,13 @@ def test_generate_cli_decodes_a_v4_checkpoint(loaded, tmp_path, capsys):
     printed = capsys.readouterr().out.split("\n")[0]
     want = generate(load_v4(tmp_path / "v4"), [[5, 6, 7, 8, 9]], 6, 2).tokens[0]
     assert printed == "[5, 6, 7, 8, 9] ->" + "".join(f" {t}" for t in want)
+
+
+def test_convert_cli_between_the_released_layout_and_transformers(released, loaded, tmp_path, capsys):
+    from jaxmtp.cli import main
+
+    directory, _ = released
+    main(["convert", str(directory), str(tmp_path / "hf"), "--format", "hf", "--dtype", "float32",
+          "--quantized", "dequantize"])
+    main(["convert", str(tmp_path / "hf"), str(tmp_path / "back"), "--format", "deepseek", "--dtype", "float32"])
+    assert_same_params(load_v4(tmp_path / "back").params, loaded[1].params)
