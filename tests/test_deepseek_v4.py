@@ -94,11 +94,18 @@ def test_logits_and_hidden_match_transformers_on_a_ragged_batch(pair):
         np.testing.assert_allclose(np.asarray(hidden[row, :n]), ref.hidden_states[-1][0].numpy(), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("chunk", [7, 1])
-def test_chunked_prefill_through_the_cache_matches_transformers(pair, chunk):
-    """Chunks of 7 close compressed entries mid-chunk and leave partial windows between chunks;
-    chunks of 1 are decode steps."""
-    hf, model = pair
+def test_decode_steps_through_the_cache_match_transformers(pair):
+    """Chunks of 1 position: decode steps."""
+    _chunks_match(*pair, chunk=1)
+
+
+def test_prefill_chunks_through_the_cache_match_transformers():
+    """Chunks of 7 close compressed entries mid-chunk and leave partial windows between chunks."""
+    settings, hf = hf_model("kinds")
+    _chunks_match(hf, ours(settings, hf), chunk=7)
+
+
+def _chunks_match(hf, model, chunk):
     lengths = np.array([33, 20])
     tokens = np.random.default_rng(1).integers(0, 256, (2, 35))
     caches = model.new_caches(2, 40)

@@ -12,8 +12,8 @@ Cache, per layer and row (`LayerCache`):
 - the window's K=V rows in a ring of sliding_window + headroom slots, each slot tagged with the
   position it holds;
 - per pool (the compressor, and the indexer's in CSA layers): its per-position inputs (the
-  projected value and gate plus position bias) for the last span + headroom positions in a tagged
-  ring, and its entries indexed by entry number.
+  projected value and gate) for the last span + headroom positions in a tagged ring, and its
+  entries indexed by entry number.
 A forward pass over positions start..start+T-1 writes every entry whose last position falls in it,
 recomputed from the tagged rows, and queries see entry w only when w < (position + 1) // rate. Rows
 and entries written for positions past a row's length are never read before being rewritten, so
@@ -120,7 +120,7 @@ def gather_positions(new, ring, ring_pos, start, wanted):
 class Pool(nn.Module):
     """A compressor: entry w = kv_norm(sum_j softmax_j(gate_j) * kv_j) over its span's positions j,
     per channel, rotated at position w * rate. Each position contributes kv_proj(x) and gate_proj(x) +
-    position_bias[position % rate]; with overlap (CSA) each projects two series of `width`, the first
+    position_bias[position % rate] (the bias added in float32 when pooling); with overlap (CSA) each projects two series of `width`, the first
     half feeding the next entry and the second half this one, so entry w pools 2 * rate positions."""
 
     config: V4Config
@@ -145,8 +145,7 @@ class Pool(nn.Module):
         c = self.config
         width, span, _ = pool_shape(c, self.layer_type, self.indexer)
         rate = c.compress_rate(self.layer_type)
-        kv = self.kv_proj(x)
-        gate = self.gate_proj(x).astype(jnp.float32) + self.position_bias[positions % rate]
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
         b, steps = positions.shape
         entry = start[:, None] // rate + jnp.arange(steps // rate + 1)[None]  # [B, J] entries that may close
         closing = entry * rate + rate - 1
@@ -154,10 +153,12 @@ class Pool(nn.Module):
         sources = entry[..., None] * rate - (span - rate) + jnp.arange(span)  # [B, J, span]
         kv_rows, valid = gather_positions(kv, cache.kv, cache.pos, start, sources)
         gate_rows, _ = gather_positions(gate, cache.gate, cache.pos, start, sources)
+        # The bias is added in float32 when pooling, as the rows are stored in the cache's dtype.
+        gate_rows = gate_rows.astype(jnp.float32) + self.position_bias[sources % rate]
         if span > rate:  # overlap: the earlier window's first series, this window's second
             kv_rows = jnp.concatenate([kv_rows[..., :rate, :width], kv_rows[..., rate:, width:]], axis=-2)
             gate_rows = jnp.concatenate([gate_rows[..., :rate, :width], gate_rows[..., rate:, width:]], axis=-2)
-        gate_rows = jnp.where(valid[..., None], gate_rows.astype(jnp.float32), -jnp.inf)
+        gate_rows = jnp.where(valid[..., None], gate_rows, -jnp.inf)
         weights = jax.nn.softmax(gate_rows, axis=-2)
         pooled = jnp.sum(weights.astype(kv_rows.dtype) * kv_rows, axis=-2)  # [B, J, width]
         pooled = rotate_tail(self.kv_norm(pooled), entry * rate, frequencies(c, self.layer_type))

@@ -16,11 +16,11 @@ import numpy as np
 
 from jaxmtp import checks
 from jaxmtp.errors import InputError
-from jaxmtp.params import describe_unsplit
-from jaxmtp.sharding import ShardingWarning, batch_sharding, split
 from jaxmtp.models.deepseek_v4.attention import pool_shape
 from jaxmtp.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4, new_caches, new_mtp_cache
+from jaxmtp.params import describe_unsplit
+from jaxmtp.sharding import ShardingWarning, batch_sharding, split
 
 
 @dataclasses.dataclass
@@ -41,8 +41,9 @@ class V4Model:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def place_rows(self, tree):
-        """Arrays whose leading axis is the batch, split over the mesh's `data` axis where it divides
-        them (else replicated); unchanged without a mesh."""
+        """Arrays whose leading axis is the batch, split over the mesh's `data` axis; where it does
+        not divide the batch, replicated, with a ShardingWarning (every device then attends for
+        every row). Unchanged without a mesh."""
         if self.mesh is None:
             return tree
         data = self.mesh.shape.get("data", 1)
@@ -51,6 +52,9 @@ class V4Model:
             leaf = jnp.asarray(leaf)
             if leaf.ndim and leaf.shape[0] % data == 0:
                 return jax.device_put(leaf, batch_sharding(self.mesh, leaf.ndim))
+            if leaf.ndim:
+                warnings.warn(f"a batch of {leaf.shape[0]} rows is not divisible by data={data}: every device "
+                              "holds and attends for every row", ShardingWarning, stacklevel=3)
             return jax.device_put(leaf, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
         return jax.tree.map(put, tree)
@@ -61,7 +65,7 @@ class V4Model:
 
     def new_caches(self, batch: int, max_len: int, headroom: int = 1) -> tuple:
         """Empty caches for `batch` rows and positions below max_len (see transformer.new_caches)."""
-        return new_caches(self.config, batch, max_len, headroom, self.dtype)
+        return self.place_rows(new_caches(self.config, batch, max_len, headroom, self.dtype))
 
     def step(self, tokens, start, count, caches):
         """tokens [B, T] at positions start[b] + t, the first count[b] real -> (logits [B, T, V],

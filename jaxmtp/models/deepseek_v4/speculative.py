@@ -90,8 +90,7 @@ def prefill_finish(config, dtype, mode: SamplingMode, params, sampling, key, pro
     span = window.shape[1]
     first_key, draft_key, key = split(key, 3)
     token, _ = choose(first_key, last, mode, sampling)
-    logprob = _at(log_probabilities(last[:, None], mode, sampling), jnp.zeros(b, jnp.int32))
-    logprob = jnp.take_along_axis(logprob, token[:, None], axis=-1)[:, 0]
+    logprob = jnp.take_along_axis(log_probabilities(last, mode, sampling), token[:, None], axis=-1)[:, 0]
     seq = jnp.concatenate([prompt, jnp.zeros((b, 1), jnp.int32)], axis=1).at[jnp.arange(b), lengths].set(token)
     start = jnp.maximum(lengths - span, 0)
     nexts = jnp.take_along_axis(seq, jnp.clip(start[:, None] + jnp.arange(span)[None] + 1, 0, width), axis=1)
