@@ -444,17 +444,17 @@ def _generate(args):
 
 
 def _generate_v4(args, tokenizer, prompts):
-    """`generate` of a DeepSeek-V4 checkpoint (jaxmtp.models.deepseek_v4): one device, FP8 and FP4
-    weights kept, a Python call per round; --k auto measures the rounds' costs first."""
+    """`generate` of a DeepSeek-V4 checkpoint (jaxmtp.models.deepseek_v4): FP8 and FP4 weights kept,
+    on one device or --mesh, a Python call per round; --k auto measures the rounds' costs first."""
     from jaxmtp.models.deepseek_v4 import load_v4
     from jaxmtp.models.deepseek_v4.speculative import measure_costs, stream
 
-    for flag, value in (("--mesh", args.mesh), ("--distributed", args.distributed), ("--stop", args.stop),
+    for flag, value in (("--distributed", args.distributed), ("--stop", args.stop),
                         ("--stop-tokens", args.stop_tokens), ("--chat", args.chat)):
         if value:
             raise UsageError(f"{flag}: not available for DeepSeek-V4 checkpoints yet (docs/deepseek_v4.md)")
     with _reading("--model", args.model):
-        model = load_v4(args.model, matmul=args.matmul or "dequant")
+        model = load_v4(args.model, matmul=args.matmul or "dequant", mesh=_device_mesh(args.mesh))
     k = args.k
     if k and not model.config.has_mtp:
         print(f"no MTP block in this model ({model.mtp_note or 'num_nextn_predict_layers = 0'}): this is plain "

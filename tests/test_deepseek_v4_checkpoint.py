@@ -24,6 +24,7 @@ from jaxmtp.models.deepseek_v4.checkpoint import (FP4_CODES, decode_fp4, e8m0_to
 from jaxmtp.models.deepseek_v4.speculative import generate
 from jaxmtp.moe import gathered_experts, local_experts
 from jaxmtp.quant import QuantizedWeight, dequantize
+from jaxmtp.sharding import make_mesh
 
 # The format, as published: code -> value, low nibble = the lower input index, scale byte b = 2^(b - 127).
 TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -482,3 +483,14 @@ def test_convert_cli_between_the_released_layout_and_transformers(released, load
           "--quantized", "dequantize"])
     main(["convert", str(tmp_path / "hf"), str(tmp_path / "back"), "--format", "deepseek", "--dtype", "float32"])
     assert_same_params(load_v4(tmp_path / "back").params, loaded[1].params)
+
+
+def test_kept_weights_load_onto_a_mesh_and_decode_as_on_one_device(released, loaded):
+    """FP8 and FP4 weights placed on a data=2, expert=2, tensor=2 mesh, each device its slice of the
+    values and their scales: speculative tokens equal one device's."""
+    directory, _ = released
+    sharded = load_v4(directory, mesh=make_mesh(data=2, expert=2, tensor=2))
+    experts = sharded.params["layers_1"]["mlp"]["experts"]["gate_proj"]
+    assert is_fp4(experts) and experts.value.sharding.shard_shape(experts.value.shape)[0] == 1
+    prompts = [list(TOKENS[0, :11]), list(TOKENS[1, :6])]
+    assert generate(sharded, prompts, 8, 2).tokens == generate(loaded[0], prompts, 8, 2).tokens

@@ -55,8 +55,9 @@ from jaxmtp.config import QuantizationConfig
 from jaxmtp.errors import CheckpointError, InputError
 from jaxmtp.models.deepseek_v4 import names as v4names
 from jaxmtp.models.deepseek_v4.config import HASH_MOE, V4Config
-from jaxmtp.models.deepseek_v4.model import V4Model, abstract_params
+from jaxmtp.models.deepseek_v4.model import V4Model, abstract_params, param_shardings
 from jaxmtp.quant import KERNEL_BLOCK, MATMULS, QuantizedWeight, dequantize
+from jaxmtp.sharding import place
 
 FP8_BLOCK = (128, 128)
 FP4_BLOCK = (1, 32)
@@ -226,7 +227,7 @@ def dspark_reason(names) -> str | None:
 
 # ----- loading -------------------------------------------------------------------------------
 def load_v4(path, *, dtype=None, keep_quantized: bool = True, matmul: str = "dequant", mtp: bool = True,
-            check_finite: bool = True) -> V4Model:
+            check_finite: bool = True, mesh=None) -> V4Model:
     """Loads a DeepSeek-V4 checkpoint directory (config.json + *.safetensors [+ index]) in DeepSeek's
     released layout or transformers' (see the module docstring). An MTP block that is a DSpark
     drafter or is absent is left out: the model then has num_nextn_predict_layers 0, and its
@@ -240,6 +241,9 @@ def load_v4(path, *, dtype=None, keep_quantized: bool = True, matmul: str = "deq
       matmul: how kept FP8 weights of 128x128 blocks are multiplied, "dequant" or "fp8" (`with_matmul`).
       mtp: False loads the main model alone, leaving any `mtp.*` tensors unread.
       check_finite: refuse NaN or Inf in any floating tensor (values and scales).
+      mesh: place each parameter on this mesh (`jaxmtp.make_mesh`) with its NamedSharding
+        (model.param_shardings), each device receiving only its slice; the whole model is read
+        onto the host first.
     Every tensor the config implies must be present with its shape and an allowed dtype, and every
     tensor of the files must be one of them: anything else raises CheckpointError naming the tensor.
     model_type deepseek_v41 is refused (ConfigError) by V4Config.from_hf_config.
@@ -270,10 +274,12 @@ def load_v4(path, *, dtype=None, keep_quantized: bool = True, matmul: str = "deq
                config.n_routed_experts, up)
     params = {}
     for path in list(buffers):
-        _put(params, path, _to_device(buffers.pop(path)))
+        _put(params, path, _on_host(buffers.pop(path)))
+    params = place(params, param_shardings(config, params, mesh)) if mesh is not None else jax.tree.map(
+        jnp.asarray, params)
     kept = {form for form in leaf_forms.values() if form != "dense"} if keep_quantized else set()
     expert_forms = {form for path, form in leaf_forms.items() if v4names.split_path(path)[2] in v4names.EXPERT_WEIGHTS}
-    model = V4Model(_loaded_config(config, kept, expert_forms, block), params, mtp_note=note)
+    model = V4Model(_loaded_config(config, kept, expert_forms, block), params, mesh, mtp_note=note)
     if kept:
         scale_fmt = model.config.quantization.scale_fmt if model.config.quantization else None
         model = dataclasses.replace(model, params=with_matmul(model.params, matmul, scale_fmt))
@@ -437,11 +443,12 @@ def _finite(file, name, value, check):
         raise CheckpointError(f"{file}: tensor {name!r} contains NaN or Inf")
 
 
-def _to_device(buffer):
+def _on_host(buffer):
+    """A filled buffer as the parameter it holds, still in host memory."""
     if isinstance(buffer, _Kept):
         value = buffer.value.view(ml_dtypes.float4_e2m1fn) if buffer.form == "fp4" else buffer.value
-        return QuantizedWeight(jnp.asarray(value), jnp.asarray(buffer.scale), buffer.block, "dequant")
-    return jnp.asarray(buffer)
+        return QuantizedWeight(value, buffer.scale, buffer.block, "dequant")
+    return buffer
 
 
 def _put(tree: dict, path, value):

@@ -20,7 +20,8 @@ from jaxmtp.models.deepseek_v4.attention import pool_shape
 from jaxmtp.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4, new_caches, new_mtp_cache
 from jaxmtp.params import describe_unsplit
-from jaxmtp.sharding import ShardingWarning, batch_sharding, split
+from jaxmtp.quant import QuantizedWeight
+from jaxmtp.sharding import ShardingWarning, batch_sharding, spec, split
 
 
 @dataclasses.dataclass
@@ -169,14 +170,19 @@ def logical_axes(config: V4Config) -> dict:
 
 
 def param_shardings(config: V4Config, params, mesh):
-    """NamedSharding for every leaf of `params` (abstract or real) by jaxmtp.sharding's rules; a
-    dimension a mesh axis does not divide stays whole over it, and one ShardingWarning lists them."""
+    """NamedSharding for every leaf of `params` (abstract or real; kept FP8 and FP4 weights get one
+    for their values and one for their scales) by jaxmtp.sharding's rules; a dimension a mesh axis
+    does not divide stays whole over it, and one ShardingWarning lists them."""
     unsplit: dict[str, list[str]] = {}
 
     def one(path, logical, leaf):
-        partition, reasons = split(tuple(logical), leaf.shape, mesh)
+        values = leaf.value if isinstance(leaf, QuantizedWeight) else leaf
+        partition, reasons = split(tuple(logical), values.shape, mesh)
         for reason in reasons:
             unsplit.setdefault(reason, []).append("/".join(str(getattr(k, "key", k)) for k in path))
+        if isinstance(leaf, QuantizedWeight):  # the block scales cut along the same axes where they divide
+            return leaf.replace(value=jax.sharding.NamedSharding(mesh, partition),
+                                scale=jax.sharding.NamedSharding(mesh, spec(tuple(logical), leaf.scale.shape, mesh)))
         return jax.sharding.NamedSharding(mesh, partition)
 
     shardings = jax.tree_util.tree_map_with_path(one, logical_axes(config), params,
