@@ -21,18 +21,14 @@ import time
 import jax
 import jax.numpy as jnp
 
-import jaxmtp
-from decode_step import plain_static, step_loops
-from jaxmtp.decoding import empty_caches
+import sparse_attention
 from jaxmtp.models.deepseek_v4 import CSA, HCA, V4Config, init_v4
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4, new_caches
 from jaxmtp.provenance import write
 
-V3 = dict(model_type="deepseek_v3", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-          num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=16, q_lora_rank=192, kv_lora_rank=128,
-          qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
-          n_group=1, topk_group=1, num_nextn_predict_layers=1, max_position_embeddings=262144)
-V32 = dict(V3, model_type="deepseek_v32", index_n_heads=8, index_head_dim=32, index_topk=2048)
+# sparse_attention.py's V3 and V3.2 widths, with positions for 128K cached tokens.
+V3 = dict(sparse_attention.V3, max_position_embeddings=262144)
+V32 = dict(sparse_attention.V32, max_position_embeddings=262144)
 V4 = V4Config(vocab_size=1024, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=16,
               q_lora_rank=192, n_routed_experts=8, num_experts_per_tok=2, layer_types=(CSA, HCA),
               mlp_layer_types=("moe", "moe"), head_dim=160, qk_rope_head_dim=32, o_groups=4, o_lora_rank=64,
@@ -47,14 +43,6 @@ def timed(loop, args, calls, repeats):
         jax.block_until_ready(loop(*args))
         times.append((time.perf_counter() - start) / calls)
     return times
-
-
-def v3_times(config: dict, tokens: int, rows: list[int], calls: int, repeats: int) -> dict[int, list[float]]:
-    """Seconds per call of V3's or V3.2's main forward at each row count, at position `tokens`."""
-    model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(config)).decoding()
-    static = plain_static(model, tokens + 1024)
-    return {t: timed(jax.jit(step_loops(static, t, calls, start=tokens)[0]), (model.params, empty_caches(static, 1)),
-                     calls, repeats) for t in rows}
 
 
 def v4_times(tokens: int, rows: list[int], calls: int, repeats: int) -> dict[int, list[float]]:
@@ -89,8 +77,8 @@ def main():
     print(f"main forward, ms per call (median of {args.repeats} loops of {args.calls} calls), "
           f"{jax.devices()[0].device_kind}")
     for tokens in (int(n) for n in args.tokens.split(",")):
-        times = {"v3": v3_times(V3, tokens, rows, args.calls, args.repeats),
-                 "v32": v3_times(V32, tokens, rows, args.calls, args.repeats),
+        times = {"v3": sparse_attention.step_times(V3, tokens, rows, args.calls, args.repeats),
+                 "v32": sparse_attention.step_times(V32, tokens, rows, args.calls, args.repeats),
                  "v4": v4_times(tokens, rows, args.calls, args.repeats)}
         for t in rows:
             ms = {name: statistics.median(times[name][t]) * 1e3 for name in times}
