@@ -220,13 +220,13 @@ def test_speculative_greedy_is_plain_greedy_across_window_and_compression_bounda
 
 
 def test_speculative_sampling_at_k2_follows_the_model():
-    """The first three tokens of 20,480 rows sampled with k = 2 against the model's distribution from
+    """The first three tokens of 12,288 rows sampled with k = 2 against the model's distribution from
     whole forward passes over every continuation (chi-square); the rounds both accept and reject."""
     import itertools
 
     from test_speculative_sampling import chi_square_p_value
 
-    vocab, prompt, samples = 8, [3, 1, 4, 1, 5], 20_480
+    vocab, prompt, samples = 8, [3, 1, 4, 1, 5], 12_288
     config = V4Config(vocab_size=vocab, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
                       layer_types=(CSA,), mlp_layer_types=("hash_moe",), head_dim=16, qk_rope_head_dim=4,
