@@ -16,7 +16,6 @@ entries (jaxmtp.models.deepseek_v4.attention.GATHER_QUERIES).
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ import sparse_attention
 from jaxmtp.models.deepseek_v4 import CSA, HCA, V4Config, init_v4
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4, new_caches
 from jaxmtp.provenance import write
+from timing import seconds_per_call
 
 # sparse_attention.py's V3 and V3.2 widths, with positions for 128K cached tokens.
 V3 = dict(sparse_attention.V3, max_position_embeddings=262144)
@@ -33,16 +33,6 @@ V4 = V4Config(vocab_size=1024, hidden_size=256, moe_intermediate_size=128, num_h
               q_lora_rank=192, n_routed_experts=8, num_experts_per_tok=2, layer_types=(CSA, HCA),
               mlp_layer_types=("moe", "moe"), head_dim=160, qk_rope_head_dim=32, o_groups=4, o_lora_rank=64,
               index_n_heads=8, index_head_dim=32, index_topk=512, max_position_embeddings=262144)
-
-
-def timed(loop, args, calls, repeats):
-    jax.block_until_ready(loop(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(loop(*args))
-        times.append((time.perf_counter() - start) / calls)
-    return times
 
 
 def v4_times(tokens: int, rows: list[int], calls: int, repeats: int) -> dict[int, list[float]]:
@@ -60,7 +50,7 @@ def v4_times(tokens: int, rows: list[int], calls: int, repeats: int) -> dict[int
                 return caches, acc + logits[0, 0, 0]
             return jax.lax.fori_loop(0, calls, body, (caches, jnp.float32(0)))[1]
 
-        times[t] = timed(jax.jit(loop), (model.params, caches), calls, repeats)
+        times[t] = seconds_per_call(jax.jit(loop), (model.params, caches), calls, repeats)
     return times
 
 

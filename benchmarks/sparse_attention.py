@@ -14,7 +14,6 @@ attention's (heads x (kv_lora_rank + qk_rope_head_dim)).
 
 import argparse
 import statistics
-import time
 
 import jax
 
@@ -22,6 +21,7 @@ import jaxmtp
 from decode_step import plain_static, step_loops
 from jaxmtp.decoding import empty_caches
 from jaxmtp.provenance import write
+from timing import seconds_per_call
 
 V3 = dict(model_type="deepseek_v3", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
           num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=16, q_lora_rank=192, kv_lora_rank=128,
@@ -35,17 +35,8 @@ def step_times(config: dict, tokens: int, rows: list[int], calls: int, repeats: 
     `tokens` + 1024 slots: `repeats` timed loops of `calls` calls after one that compiles."""
     model = jaxmtp.init(jaxmtp.ModelConfig.from_hf_config(config)).decoding()
     static = plain_static(model, tokens + 1024)
-    times = {}
-    for t in rows:
-        loop = jax.jit(step_loops(static, t, calls, start=tokens)[0])
-        args = (model.params, empty_caches(static, 1))
-        jax.block_until_ready(loop(*args))
-        times[t] = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(loop(*args))
-            times[t].append((time.perf_counter() - start) / calls)
-    return times
+    return {t: seconds_per_call(jax.jit(step_loops(static, t, calls, start=tokens)[0]),
+                                (model.params, empty_caches(static, 1)), calls, repeats) for t in rows}
 
 
 def main():

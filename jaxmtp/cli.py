@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import re
@@ -234,12 +233,13 @@ def _mesh(text: str) -> dict[str, int]:
     return sizes
 
 
-def _model_type(path: str, flag: str = "--config") -> str | None:
-    """The `model_type` of a config file (or a directory's config.json, or a shipped config's name)."""
+def _is_v4(path: str, flag: str) -> bool:
+    """Whether a config (a file, a checkpoint directory or a shipped config's name) is DeepSeek-V4's."""
+    from jaxmtp.config import V4_MODEL_TYPES, _read_json
+
     path = config_file(path)
     with _reading(flag, path):
-        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
-            return json.load(f).get("model_type")
+        return _read_json(path).get("model_type") in V4_MODEL_TYPES
 
 
 def _count(n: int) -> str:
@@ -275,7 +275,7 @@ def _info(args):
     from jaxmtp.model import apply_forward, apply_mtp_forward
     from jaxmtp.params import abstract_params, parameter_counts
 
-    if _model_type(args.config) in ("deepseek_v4", "deepseek_v41"):
+    if _is_v4(args.config, "--config"):
         return _info_v4(args)
     config = _config(args.config)
     counts = parameter_counts(config)
@@ -428,7 +428,7 @@ def _generate(args):
     # The prompts are encoded (or refused) before the weights are read, which for a published
     # checkpoint takes many minutes; a --model that is no directory is the loader's to name.
     tokenizer, prompts = _text_inputs(args) if os.path.isdir(args.model) else (None, None)
-    if os.path.isdir(args.model) and _model_type(args.model, "--model") in ("deepseek_v4", "deepseek_v41"):
+    if os.path.isdir(args.model) and _is_v4(args.model, "--model"):
         return _generate_v4(args, tokenizer, prompts)
     model = _load(args.model, mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet, matmul=args.matmul)
     config = _generation_config(args, model)
@@ -464,14 +464,15 @@ def _generate_v4(args, tokenizer, prompts):
     options = dict(temperature=args.temperature or 0.0, top_k=args.top_k or 0,
                    top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
                    prefill_chunk=args.prefill_chunk, eos_token_id=None if args.ignore_eos else model.config.eos_token_id)
+    if k == "auto":  # measured once, on caches of the length every prompt's call then uses
+        longest = max(len(prompt) for prompt in prompts)
+        width = -(-longest // args.prefill_chunk) * args.prefill_chunk if args.prefill_chunk else longest
+        options["cache_len"] = width + (max_new + 1) * 4 + 1
+        options["costs"] = measure_costs(model, 1, options["cache_len"], 3).tolist()
+        if not args.quiet:
+            print("round costs in plain rounds, k = 0..3: " + ", ".join(f"{c:.2f}" for c in options["costs"]),
+                  file=sys.stderr)
     for prompt in prompts:
-        if k == "auto":  # the costs measured on caches of the length the call then uses
-            width = -(-len(prompt) // args.prefill_chunk) * args.prefill_chunk if args.prefill_chunk else len(prompt)
-            options["cache_len"] = width + (max_new + 1) * 4 + 1
-            options["costs"] = measure_costs(model, 1, options["cache_len"], 3).tolist()
-            if not args.quiet:
-                print("round costs in plain rounds, k = 0..3: " + ", ".join(f"{c:.2f}" for c in options["costs"]),
-                      file=sys.stderr)
         print(tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else f"{prompt} ->", end="", flush=True)
         began, new, shown = time.perf_counter(), [], 0
         for tokens in stream(model, prompt, max_new, k, **options):
@@ -733,7 +734,7 @@ def _train(args):
 def _convert(args):
     from jaxmtp.checkpoint import convert
 
-    if os.path.isdir(args.src) and _model_type(args.src, "src") in ("deepseek_v4", "deepseek_v41"):
+    if os.path.isdir(args.src) and _is_v4(args.src, "src"):
         return _convert_v4(args)
     if args.format == "deepseek":
         raise UsageError("--format deepseek: DeepSeek-V4's released layout, for DeepSeek-V4 checkpoints only")

@@ -53,6 +53,8 @@ class RopeScaling:
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32")
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
                  "deepseek_v32": "DeepseekV32ForCausalLM"}
+# The model types that jaxmtp.models.deepseek_v4 reads (deepseek_v41 there only to be refused by name).
+V4_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 # HF `DeepseekV32Config` defaults for the indexer's sizes (DeepSeek-V3.2's own values).
 _INDEX_DEFAULTS = dict(index_n_heads=64, index_head_dim=128, index_topk=2048)
 # quantization_config.scale_fmt values: absent (scales amax / 448) or "ue8m0" (powers of two).
@@ -177,7 +179,7 @@ class ModelConfig:
         if not isinstance(raw, Mapping):
             raise ConfigError(f"config.json: expected a JSON object of fields, found a JSON {type(raw).__name__}")
         model_type = raw.get("model_type")
-        if model_type in ("deepseek_v4", "deepseek_v41"):
+        if model_type in V4_MODEL_TYPES:
             raise ConfigError(f"model_type: {model_type!r} is DeepSeek-V4, another architecture: "
                               "jaxmtp.models.deepseek_v4 runs deepseek_v4 (load_v4; docs/deepseek_v4.md); this reads the "
                               "DeepSeek-V3 architecture (V3, R1, V3.1, V3.2, Moonlight, Kimi K2)")
