@@ -47,9 +47,11 @@ def _python_blocks(page: pathlib.Path) -> list[tuple[int, str]]:
 
 
 RUNNABLE = [page for page in PAGES if _python_blocks(page)]
-# Pages whose blocks tests elsewhere run as they stand, which the suite's time budget leaves to
-# JAXMTP_LONG_TESTS=1: training.md's training and MTP-only fine-tuning (tests/test_train.py).
-LONG_PAGES = {"training.md"}
+# Pages whose blocks' calls tests elsewhere run, which the suite's time budget leaves to
+# JAXMTP_LONG_TESTS=1 (page -> the tests that run them).
+LONG_PAGES = {"training.md": "tests/test_train.py runs its training and MTP-only fine-tuning",
+              "deepseek_v4.md": "tests/test_deepseek_v4.py runs its generate, sampling and stream calls",
+              "serving.md": "tests/test_engine.py runs its Engine calls"}
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +68,7 @@ def test_pages_exist():
 
 @pytest.mark.parametrize("page", [
     pytest.param(page, marks=pytest.mark.skipif(page.name in LONG_PAGES and not os.environ.get("JAXMTP_LONG_TESTS"),
-                                                reason="tests/test_train.py runs what it runs; set "
+                                                reason=f"{LONG_PAGES.get(page.name)}; set "
                                                        "JAXMTP_LONG_TESTS=1 to run it")) for page in RUNNABLE],
     ids=lambda page: page.name)
 def test_python_blocks_run(page, docs_cache, tmp_path):

@@ -54,6 +54,8 @@ def _run_workers(model_dir, out_dir, script="multiprocess_worker.py"):
     return results
 
 
+@pytest.mark.skipif(not os.environ.get("JAXMTP_LONG_TESTS"), reason="two processes compiling four loops each take "
+                    "about two and a half CPU-minutes; set JAXMTP_LONG_TESTS=1 to run it")
 def test_two_processes_generate_like_one(tmp_path):
     model_dir = str(tmp_path / "model")
     single = gm.model("partial", CONFIG)

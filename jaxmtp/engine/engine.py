@@ -565,13 +565,15 @@ class Engine:
 
     def snapshot(self) -> dict:
         """Counts for metrics: queue, slots, token and draft totals, rounds by k, finished by reason."""
-        with self._lock:
+        with self._lock:  # each request moves between these states under the lock: counted once
             waiting = len(self._inbox) + len(self._waiting)
-        running = sum(r is not None for r in self._running)
-        return {"waiting": waiting, "running": running, "prefilling": int(self._staged is not None),
+            prefilling = int(self._staged is not None and self._staged.handle.id >= 0)
+            running = sum(r is not None for r in self._running) + prefilling
+            finished = dict(self.finished)
+        return {"waiting": waiting, "running": running, "prefilling": prefilling,
                 "slots": self.slots, "max_queue": self.config.max_queue, **self.counters,
                 "rounds_by_k": dict(self.rounds_by_k), "current_k": self._segment_k,
-                "requests_finished": dict(self.finished)}
+                "requests_finished": finished}
 
     # ----- the engine's thread -----
 
@@ -635,8 +637,15 @@ class Engine:
             handle.cancel()
 
     def _finish(self, handle: Handle, reason: str, prompt_tokens: int, completion: int, cached: int = 0,
-                error: str | None = None):
-        self.finished[reason] += 1
+                error: str | None = None, *, slot: int | None = None, counted: bool = False):
+        """Counts the request as finished (unless the caller has, with the state it left) and frees
+        its slot in the same step under the lock, so that a snapshot never sees it in neither
+        state; then sends its last event (outside the lock: listeners run their own code)."""
+        with self._lock:
+            if slot is not None:
+                self._running[slot] = None
+            if not counted:
+                self.finished[reason] += 1
         self._emit(handle, Event(finish_reason=reason, error=error, prompt_tokens=prompt_tokens,
                                  completion_tokens=completion, cached_tokens=cached))
 
@@ -644,38 +653,37 @@ class Engine:
         """Ends every request: with an error (a failure), or as cancelled (shutdown)."""
         reason = "error" if error else "cancelled"
         with self._lock:
-            self._waiting.extend(self._inbox)
+            waiting = [*self._waiting, *self._inbox]
             self._inbox.clear()
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            self._waiting = collections.deque()
+            if self._staged is not None:
+                waiting.append(self._staged.handle)
+                self._staged = None
+            self.finished[reason] += len(waiting)
         for handle in waiting:
-            self._finish(handle, reason, len(handle.request.prompt), 0, error=error)
-        if self._staged is not None:
-            h = self._staged.handle
-            self._staged = None
-            self._finish(h, reason, len(h.request.prompt), 0, error=error)
+            self._finish(handle, reason, len(handle.request.prompt), 0, error=error, counted=True)
         for slot, running in enumerate(self._running):
             if running is not None:
-                self._running[slot] = None
-                self._finish(running.handle, reason, running.prompt_len, running.delivered, running.cached, error)
+                self._finish(running.handle, reason, running.prompt_len, running.delivered, running.cached, error,
+                             slot=slot)
 
     def _drop_cancelled(self):
         with self._lock:
             cancelled = [h for h in self._waiting if h.cancelled]
             self._waiting = collections.deque(h for h in self._waiting if not h.cancelled)
+            if self._staged is not None and self._staged.handle.cancelled:
+                cancelled.append(self._staged.handle)
+                self._staged = None
+            self.finished["cancelled"] += len(cancelled)
         for handle in cancelled:
-            self._finish(handle, "cancelled", len(handle.request.prompt), 0)
-        if self._staged is not None and self._staged.handle.cancelled:
-            h = self._staged.handle
-            self._staged = None
-            self._finish(h, "cancelled", len(h.request.prompt), 0)
+            self._finish(handle, "cancelled", len(handle.request.prompt), 0, counted=True)
         for slot, running in enumerate(self._running):
             if running is not None and running.handle.cancelled:
                 self._release(slot, "cancelled")
 
     def _release(self, slot: int, reason: str):
         running = self._running[slot]
-        self._running[slot] = None
-        self._finish(running.handle, reason, running.prompt_len, running.delivered, running.cached)
+        self._finish(running.handle, reason, running.prompt_len, running.delivered, running.cached, slot=slot)
 
     def _admit(self):
         with self._lock:
@@ -685,8 +693,8 @@ class Engine:
             if not free:
                 return
             handle = self._waiting.popleft()
-        prompt = handle.request.prompt
-        self._begin(_Staged(handle, free[0], 0, len(prompt) - 1, 0))
+            self._staged = _Staged(handle, free[0], 0, len(handle.request.prompt) - 1, 0)  # no longer waiting
+        self._begin(self._staged)
 
     def _begin(self, staged: _Staged):
         """Puts a request into the staging state, with its prefix's chunks copied from the store."""
@@ -757,10 +765,10 @@ class Engine:
         staged.start += size
         if staged.start <= staged.last:
             return
-        self._staged = None
         token, logprob, done = self._device.insert(staged.slot)
         self._stale[staged.slot] = not drafted  # the last chunk drafted the first draft, or not
         if staged.handle.id < 0:  # calibration's request
+            self._staged = None
             return
         self._store_prefix(staged)
         request = staged.handle.request
@@ -769,7 +777,9 @@ class Engine:
         receiver = streaming.Receiver(1, self.tokenizer, request.stop) if request.stop else None
         running = _Running(staged.handle, len(request.prompt), request.temperature == 0,
                            accepted_at=np.zeros(self.k_max, np.int64), receiver=receiver, cached=staged.cached)
-        self._running[staged.slot] = running
+        with self._lock:  # from prefilling to decoding in one step, for snapshot
+            self._staged = None
+            self._running[staged.slot] = running
         self._chooser.reset(staged.slot)
         self._deliver(staged.slot, [token], [logprob], done)
 
