@@ -446,11 +446,11 @@ def _generate(args):
 def _generate_v4(args, tokenizer, prompts):
     """`generate` of a DeepSeek-V4 checkpoint (jaxmtp.models.deepseek_v4): FP8 and FP4 weights kept,
     on one device or --mesh, a Python call per round; --k auto measures the rounds' costs first."""
+    from jaxmtp import streaming
     from jaxmtp.models.deepseek_v4 import load_v4
     from jaxmtp.models.deepseek_v4.speculative import measure_costs, stream
 
-    for flag, value in (("--distributed", args.distributed), ("--stop", args.stop),
-                        ("--stop-tokens", args.stop_tokens), ("--chat", args.chat)):
+    for flag, value in (("--distributed", args.distributed), ("--chat", args.chat)):
         if value:
             raise UsageError(f"{flag}: not available for DeepSeek-V4 checkpoints yet (docs/deepseek_v4.md)")
     with _reading("--model", args.model):
@@ -463,7 +463,8 @@ def _generate_v4(args, tokenizer, prompts):
     max_new = args.max_new_tokens or 64
     options = dict(temperature=args.temperature or 0.0, top_k=args.top_k or 0,
                    top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
-                   prefill_chunk=args.prefill_chunk, eos_token_id=None if args.ignore_eos else model.config.eos_token_id)
+                   prefill_chunk=args.prefill_chunk, eos_token_id=None if args.ignore_eos else model.config.eos_token_id,
+                   stop_token_ids=tuple(map(tuple, args.stop_tokens or ())), stop=tuple(args.stop), tokenizer=tokenizer)
     if k == "auto":  # measured once, on caches of the length every prompt's call then uses
         longest = max(len(prompt) for prompt in prompts)
         width = -(-longest // args.prefill_chunk) * args.prefill_chunk if args.prefill_chunk else longest
@@ -479,10 +480,12 @@ def _generate_v4(args, tokenizer, prompts):
             new += tokens
             if tokenizer is None:
                 print("".join(f" {t}" for t in tokens), end="", flush=True)
-            else:
-                text = tokenizer.decode(new)
+            else:  # without what may still change, and cut before a stop string
+                text = streaming.visible(tokenizer.decode(new), args.stop, final=False)
                 print(text[shown:], end="", flush=True)
                 shown = len(text)
+        if tokenizer is not None:
+            print(streaming.visible(tokenizer.decode(new), args.stop)[shown:], end="")
         seconds = time.perf_counter() - began
         print(f"\n\n{len(new)} new tokens in {seconds:.3f} s (compiling included)")
 

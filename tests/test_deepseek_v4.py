@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxmtp import CONFIGS
-from jaxmtp.errors import CheckpointError, ConfigError
+from jaxmtp.errors import CheckpointError, ConfigError, InputError
 from jaxmtp.models.deepseek_v4 import CSA, HCA, SLIDING, V4Config, V4Model, init_v4
 from jaxmtp.models.deepseek_v4.names import params_from_hf
 from jaxmtp.models.deepseek_v4.speculative import generate
@@ -217,6 +217,30 @@ def test_speculative_greedy_is_plain_greedy_across_window_and_compression_bounda
     stop = plain[1][5]
     tokens = generate(model, prompts, 30, 2, eos_token_id=[stop], prefill_chunk=4, **sizes).tokens
     assert tokens == [row[:row.index(stop) + 1] if stop in row else row for row in plain]
+    # a stop sequence of two tokens, and a stop string in the decoded text (ids written as digits):
+    # a row ends after the token that completes either (kept), wherever a round commits it
+    pair, text = plain[0][7:9], " ".join(map(str, plain[2][10:13]))
+    decoded = lambda ids: " ".join(map(str, ids))  # noqa: E731
+
+    def cut(row, ends):
+        return next((row[:e] for e in range(1, len(row) + 1) if ends(row[:e])), row)
+
+    tokens = generate(model, prompts, 30, 3, stop_token_ids=[pair], **sizes).tokens
+    assert tokens == [cut(row, lambda head: head[-2:] == pair) for row in plain]
+    tokens = generate(model, prompts, 30, 3, stop=[text], tokenizer=type("Digits", (), {"decode": staticmethod(decoded)}),
+                      **sizes).tokens
+    assert tokens == [cut(row, lambda head: text in decoded(head)) for row in plain]
+    assert len(tokens[2]) < 30
+    with pytest.raises(InputError, match="stop strings need a tokenizer"):
+        generate(model, prompts, 30, 3, stop=[text])
+    # the property on random prompts and k (seeded; one row 17..20 long, so that every case
+    # prefills in the shapes compiled above): speculative greedy equals plain greedy
+    for _ in range(4):
+        cases = [rng.integers(0, 8, n).tolist() for n in (rng.integers(17, 21), *rng.integers(1, 21, 2))]
+        k = int(rng.integers(1, 5))
+        out = generate(model, cases, 30, k, prefill_chunk=4, **sizes)
+        assert out.tokens == generate(model, cases, 30, 0, prefill_chunk=4, **sizes).tokens, (cases, k)
+        assert any(a.min() == 0 for _, a in out.rounds)  # rejections
 
 
 def test_speculative_sampling_at_k2_follows_the_model():

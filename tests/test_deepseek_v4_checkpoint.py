@@ -474,6 +474,11 @@ def test_generate_cli_decodes_a_v4_checkpoint(loaded, tmp_path, capsys):
     printed = capsys.readouterr().out.split("\n")[0]
     want = generate(load_v4(tmp_path / "v4"), [[5, 6, 7, 8, 9]], 6, 2).tokens[0]
     assert printed == "[5, 6, 7, 8, 9] ->" + "".join(f" {t}" for t in want)
+    # --stop-tokens ends the completion after the sequence's last token
+    main(["generate", "--model", str(tmp_path / "v4"), "--tokens", "5,6,7,8,9", "--k", "2", "--max-new-tokens", "6",
+          "--ignore-eos", "--quiet", "--stop-tokens", ",".join(map(str, want[2:4]))])
+    printed = capsys.readouterr().out.split("\n")[0]
+    assert printed == "[5, 6, 7, 8, 9] ->" + "".join(f" {t}" for t in want[:4])
 
 
 def test_convert_cli_between_the_released_layout_and_transformers(released, loaded, tmp_path, capsys):

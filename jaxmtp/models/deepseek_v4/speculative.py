@@ -198,14 +198,17 @@ def stream(model: V4Model, prompt, max_new_tokens: int, k: int | str = 0, **opti
 def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int = 0, k_max: int = 3, costs=None,
            cache_len: int | None = None, headroom: int | None = None, prefill_chunk: int | None = None,
-           eos_token_id=None):
-    """Decodes each prompt (no stop tokens) with k drafts per round (0: plain; "auto": chosen every
-    AUTO_SEGMENT rounds in 0..k_max from `costs` [k_max + 1], a round's cost in plain rounds, and the
-    acceptance so far, as jaxmtp.adaptive does), greedily at temperature 0, else sampling from the
-    temperature / top-k / top-p distribution. A row ends after its eos_token_id (an id or a list; kept) or
-    max_new_tokens. Prompts are prefilled in chunks of `prefill_chunk` positions (default: one
-    pass). cache_len (positions) and headroom (at least the most drafts + 1) size the caches; by
-    default as this call needs, and calls with equal sizes share their compiled programs.
+           eos_token_id=None, stop_token_ids=(), stop=(), tokenizer=None):
+    """Decodes each prompt with k drafts per round (0: plain; "auto": chosen every AUTO_SEGMENT
+    rounds in 0..k_max from `costs` [k_max + 1], a round's cost in plain rounds, and the acceptance
+    so far, as jaxmtp.adaptive does), greedily at temperature 0, else sampling from the
+    temperature / top-k / top-p distribution. A row ends after max_new_tokens, or after the token
+    that completes an eos_token_id (an id or a list), a sequence of stop_token_ids (a list of
+    token-id lists) or a `stop` string in the row's decoded new text (needs `tokenizer`, anything
+    with decode(ids) -> str); that token is kept, as jaxmtp.generate keeps it. Prompts are
+    prefilled in chunks of `prefill_chunk` positions (default: one pass). cache_len (positions) and
+    headroom (at least the most drafts + 1) size the caches; by default as this call needs, and
+    calls with equal sizes share their compiled programs.
     Yields, after the prefill and after each round: (each row's new tokens, their
     log-probabilities, the round's k or None for the prefill, its accepted drafts [B] or None)."""
     prompts = checks.prompts(prompts, model.config.vocab_size)
@@ -224,7 +227,8 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
     mode = SamplingMode.of(checks.real("temperature", temperature, 0.0), top_k, top_p)
     sampling = SamplingParams(temperature=jnp.float32(temperature or 1.0), top_k=jnp.int32(max(top_k, 1)),
                               top_p=jnp.float32(top_p))
-    stops = set(checks.eos_ids(eos_token_id, model.config.vocab_size))
+    ends = _Ends(tuple((t,) for t in checks.eos_ids(eos_token_id, model.config.vocab_size))
+                 + checks.stop_sequences(stop_token_ids, model.config.vocab_size), checks.stop_strings(stop), tokenizer)
     lengths = np.array([len(p) for p in prompts], np.int32)
     b = len(prompts)
     chunk = prefill_chunk and checks.whole("prefill_chunk", prefill_chunk, minimum=1)
@@ -238,8 +242,8 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
     c, dtype = model.config, model.dtype
     state, logprob = prefill(model, mode, sampling, jax.random.key(seed), prompt, lengths,
                              model.new_caches(b, max_len, headroom), model.new_mtp_cache(b, max_len, headroom), chunk)
-    count = np.ones(b, int)
-    done = [max_new_tokens == 1 or int(t) in stops for t in np.asarray(state.token)]
+    got = [[int(t)] for t in np.asarray(state.token)]
+    done = [max_new_tokens == 1 or ends(row) for row in got]
     yield [[int(t)] for t in np.asarray(state.token)], [[float(x)] for x in np.asarray(logprob)], None, None
     rounds, counts, chosen = 0, AcceptanceCounts.zeros(max(most, 1)), most
     while not all(done):
@@ -257,11 +261,26 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
             for t, lp in zip(committed[i, :accepted[i] + 1], logprobs[i]):
                 new[i].append(int(t))
                 new_logprobs[i].append(float(lp))
-                count[i] += 1
-                if count[i] >= max_new_tokens or t in stops:
+                got[i].append(int(t))
+                if len(got[i]) >= max_new_tokens or ends(got[i]):
                     done[i] = True
                     break
         yield new, new_logprobs, chosen, accepted
+
+
+class _Ends:
+    """Whether a row's new tokens end it: they end with a stop sequence (the EOS ids are sequences
+    of one), or their decoded text holds a stop string."""
+
+    def __init__(self, sequences: tuple[tuple[int, ...], ...], strings: tuple[str, ...], tokenizer):
+        if strings and tokenizer is None:
+            raise InputError("stop strings need a tokenizer to decode the tokens (tokenizer=...)")
+        self.sequences, self.strings, self.tokenizer = [list(s) for s in sequences], strings, tokenizer
+
+    def __call__(self, tokens: list[int]) -> bool:
+        if any(tokens[-len(s):] == s for s in self.sequences):
+            return True
+        return bool(self.strings) and any(s in self.tokenizer.decode(tokens) for s in self.strings)
 
 
 def measure_costs(model: V4Model, batch: int, max_len: int, k_max: int, repeats: int = 5) -> np.ndarray:
