@@ -445,10 +445,12 @@ def _generate(args):
 
 def _generate_v4(args, tokenizer, prompts):
     """`generate` of a DeepSeek-V4 checkpoint (jaxmtp.models.deepseek_v4): FP8 and FP4 weights kept,
-    on one device or --mesh, a Python call per round; --k auto measures the rounds' costs first."""
+    on one device or --mesh, a Python call per round; --k auto reads the rounds' costs from
+    jaxmtp.calibration's table, or measures and keeps them first."""
     from jaxmtp import streaming
     from jaxmtp.models.deepseek_v4 import load_v4
-    from jaxmtp.models.deepseek_v4.speculative import measure_costs, stream
+    from jaxmtp.generation import auto_max_k
+    from jaxmtp.models.deepseek_v4.speculative import round_costs, stream
 
     for flag, value in (("--distributed", args.distributed), ("--chat", args.chat)):
         if value:
@@ -465,13 +467,14 @@ def _generate_v4(args, tokenizer, prompts):
                    top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
                    prefill_chunk=args.prefill_chunk, eos_token_id=None if args.ignore_eos else model.config.eos_token_id,
                    stop_token_ids=tuple(map(tuple, args.stop_tokens or ())), stop=tuple(args.stop), tokenizer=tokenizer)
-    if k == "auto":  # measured once, on caches of the length every prompt's call then uses
-        longest = max(len(prompt) for prompt in prompts)
+    if k == "auto":  # on caches of the length every prompt's call then uses; kept on disk
+        longest, most = max(len(prompt) for prompt in prompts), auto_max_k(model)
         width = -(-longest // args.prefill_chunk) * args.prefill_chunk if args.prefill_chunk else longest
-        options["cache_len"] = width + (max_new + 1) * 4 + 1
-        options["costs"] = measure_costs(model, 1, options["cache_len"], 3).tolist()
+        options["cache_len"] = width + (max_new + 1) * (most + 1) + 1
+        options["k_max"] = most
+        options["costs"] = round_costs(model, 1, options["cache_len"], most)
         if not args.quiet:
-            print("round costs in plain rounds, k = 0..3: " + ", ".join(f"{c:.2f}" for c in options["costs"]),
+            print(f"round costs in plain rounds, k = 0..{most}: " + ", ".join(f"{c:.2f}" for c in options["costs"]),
                   file=sys.stderr)
     for prompt in prompts:
         print(tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else f"{prompt} ->", end="", flush=True)

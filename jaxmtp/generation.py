@@ -246,6 +246,7 @@ def _fetch(arrays):
 def prepare(model: Model, prompts, config: GenerationConfig | None = None, **overrides) -> Prepared:
     """Checks the arguments and pads the batch to its buckets (see `generate`)."""
     g = options(config, overrides)
+    _refuse_v4(model)
     prompts, stops = _check(model, prompts, g)
     compile_cache.enable()
     model = model.decoding()
@@ -360,9 +361,14 @@ def generate(model: Model, prompts, config: GenerationConfig | None = None, *, t
         the acceptance so far (jaxmtp.adaptive). Greedy output is identical to plain greedy; sampled output has the
         same distribution.
       tokenizer: decodes tokens for `stop` strings (anything with decode(ids) -> str).
-    A row also stops at max_position_embeddings tokens in all.
+    A row also stops at max_position_embeddings tokens in all. A DeepSeek-V4 model (`load_v4`)
+    decodes a jitted round at a time instead (jaxmtp.models.deepseek_v4.api), with the same fields.
     """
     g = options(config, options_)
+    if _v4(model):
+        from jaxmtp.models.deepseek_v4 import api
+
+        return api.generate(model, prompts, g, tokenizer)
     prepared = prepare(model, prompts, g)
     receiver = streaming.Receiver(prepared.n, tokenizer, g.stop) if g.stop else None  # refuses a missing tokenizer
     with model.mesh_context():
@@ -419,7 +425,28 @@ def generate_stream(model: Model, prompt, config: GenerationConfig | None = None
     here, before anything runs; see `TokenStream` and `jaxmtp.streaming` (the loop runs in chunks
     of steps, see CHUNK_SECONDS; the same compiled functions as `generate`'s)."""
     g = options(config, options_)
+    if _v4(model):
+        from jaxmtp.models.deepseek_v4 import api
+
+        return api.V4TokenStream(model, prompt, g, tokenizer)
     return TokenStream(model, prepare(model, [prompt], g), tokenizer, g.stop)
+
+
+def _refuse_v4(model):
+    """What only the V3 family's compiled loop does refuses a DeepSeek-V4 model, saying why."""
+    if _v4(model):
+        raise InputError("model: a DeepSeek-V4 model decodes a round at a time (jaxmtp.generate, generate_stream); "
+                         "it has no compiled loop to prepare, warm up or time")
+
+
+def _v4(model) -> bool:
+    """Whether `model` is a DeepSeek-V4 model (jaxmtp.models.deepseek_v4.V4Model), which decodes a
+    round at a time (its module imported only then)."""
+    if isinstance(model, Model):
+        return False
+    from jaxmtp.models.deepseek_v4.model import V4Model
+
+    return isinstance(model, V4Model)
 
 
 def _warmed(prepared: Prepared, progress=_silent) -> Prepared:
@@ -449,6 +476,7 @@ def warm_up(model: Model, prompts, config: GenerationConfig | None = None, progr
     (jaxmtp.compile_cache), a later process mostly loads what this one compiled. progress(message)
     is told of each stage as it starts (the weights' decode layout, compiling, measuring costs)."""
     g = options(config, options_)
+    _refuse_v4(model)
     start = time.perf_counter()
     if model.layout == CHECKPOINT:
         progress("arranging the weights in the decode layout")

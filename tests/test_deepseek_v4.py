@@ -243,6 +243,54 @@ def test_speculative_greedy_is_plain_greedy_across_window_and_compression_bounda
         assert any(a.min() == 0 for _, a in out.rounds)  # rejections
 
 
+def test_jaxmtp_generate_and_generate_stream_take_a_v4_model(monkeypatch, tmp_path):
+    """jaxmtp.generate with a GenerationConfig's fields on a V4 model: speculative greedy (fixed k and
+    auto) gives plain greedy's tokens, the log-probabilities are the main model's log-softmax, and
+    the stats count the rounds that committed the tokens; generate_stream yields the same tokens
+    and cuts its text before a stop string."""
+    import jaxmtp
+    from jaxmtp import calibration
+
+    config = V4Config(vocab_size=8, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+                      num_attention_heads=2, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
+                      layer_types=(CSA, HCA), mlp_layer_types=("hash_moe", "moe"), head_dim=16, qk_rope_head_dim=4,
+                      sliding_window=6, compress_rates=(4, 8), o_groups=2, o_lora_rank=8, index_n_heads=8,
+                      index_head_dim=8, index_topk=2, hc_mult=2, initializer_range=0.3)
+    model = init_v4(config, seed=1)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 3, 1]]
+    plain = model.greedy(prompts, 20)
+    out = jaxmtp.generate(model, prompts, max_new_tokens=20, speculative_k=2, return_logprobs=True)
+    assert out.tokens == plain
+    s = out.stats
+    for i, row in enumerate(out.tokens):  # the prefill's token, then accepted + 1 a round, the last cut at 20
+        assert s.rounds[i] + s.accepted[i] + 1 - 2 <= len(row) <= s.rounds[i] + s.accepted[i] + 1
+        assert s.drafted[i] == 2 * s.rounds[i] and sum(s.rounds_at[i]) == s.rounds[i]
+    assert 0 < s.acceptance_rate < 1
+    logits, _ = model.forward([prompts[0] + plain[0]])
+    want = np.asarray(jax.nn.log_softmax(np.asarray(logits[0]), axis=-1))
+    np.testing.assert_allclose(out.logprobs[0], want[np.arange(6, 26), plain[0]], atol=1e-4)
+    # auto: round costs measured once (fewer timed rounds here) and kept on disk
+    monkeypatch.setenv("JAXMTP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "ROUNDS", 4)
+    monkeypatch.setattr(calibration, "REPEATS", 1)
+    auto = jaxmtp.generate(model, prompts, max_new_tokens=20, speculative_k="auto")
+    assert auto.tokens == plain and len(auto.stats.round_costs) == 3  # k = 0..2 on a CPU
+    assert (tmp_path / calibration.FILE).exists()
+    # streaming, with a stop string (ids written as digits): the text is cut before it
+    digits = type("Digits", (), {"decode": staticmethod(lambda ids: "".join(map(str, ids)))})
+    stop = "".join(map(str, plain[0][8:10]))
+    stream = jaxmtp.generate_stream(model, prompts[0], max_new_tokens=20, speculative_k=2, stop=[stop],
+                                    tokenizer=digits)
+    pieces = list(stream)
+    end = next(e for e in range(1, 21) if stop in "".join(map(str, plain[0][:e])))
+    assert [t for p in pieces for t in p] == stream.output.tokens[0] == plain[0][:end]
+    assert stream.text() == "".join(map(str, plain[0][:end])).split(stop)[0]
+    with pytest.raises(InputError, match="speculative_k"):
+        jaxmtp.generate(model, prompts, speculative_k=9)
+    with pytest.raises(InputError, match="a round at a time"):  # no compiled loop to warm up or time
+        jaxmtp.generation.warm_up(model, prompts)
+
+
 def test_speculative_sampling_at_k2_follows_the_model():
     """The first three tokens of 12,288 rows sampled with k = 2 against the model's distribution from
     whole forward passes over every continuation (chi-square); the rounds both accept and reject."""

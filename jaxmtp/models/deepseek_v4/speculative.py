@@ -16,7 +16,6 @@ entries are rolled back by advancing n by a + 1 only. Plain decoding is the k = 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from functools import partial
 
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp import checks
+from jaxmtp import calibration, checks
 from jaxmtp.adaptive import AcceptanceCounts, best_k
 from jaxmtp.decoding import AUTO_SEGMENT
 from jaxmtp.errors import InputError
@@ -217,7 +216,7 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
     if auto:
         checks.whole("k_max", k_max, minimum=1)
         if costs is None or len(costs) != k_max + 1:
-            raise InputError(f"costs: auto needs a round's cost at k = 0..{k_max} (measure_costs), found {costs!r}")
+            raise InputError(f"costs: auto needs a round's cost at k = 0..{k_max} (round_costs), found {costs!r}")
     else:
         checks.whole("k", k, minimum=0)
     most = k_max if auto else k
@@ -283,24 +282,27 @@ class _Ends:
         return bool(self.strings) and any(s in self.tokenizer.decode(tokens) for s in self.strings)
 
 
-def measure_costs(model: V4Model, batch: int, max_len: int, k_max: int, repeats: int = 5) -> np.ndarray:
-    """A greedy round's time at k = 0..k_max (with the MTP repair auto runs) over a plain round's,
-    median of `repeats` after a compile, for `batch` rows of caches of max_len -> [k_max + 1]."""
+def round_costs(model: V4Model, batch: int, cache_len: int, k_max: int, headroom: int | None = None) -> list[float]:
+    """A greedy round's cost at k = 0..k_max (auto's round at k = 0 with its MTP repair) in plain
+    rounds, for `batch` rows of caches of cache_len positions (and `headroom`, default k_max + 1):
+    the figures jaxmtp.calibration keeps on disk for this model, device and shape, else measured now
+    (`calibration.measure`: each k between plain rounds, the median of its repeats) and kept. Each
+    round is timed from one prefilled state to its result on the host, as `decode` runs them."""
+    headroom = k_max + 1 if headroom is None else headroom
     mode, c, dtype = SamplingMode(), model.config, model.dtype
+    key = calibration.key(dataclasses.asdict(c), dtype, "deepseek_v4", mode, batch, 8, cache_len, k_max)
     sampling = SamplingParams(temperature=jnp.float32(1), top_k=jnp.int32(1), top_p=jnp.float32(1))
-    state, _ = prefill(model, mode, sampling, jax.random.key(0), np.zeros((batch, 8), np.int32),
-                    np.full(batch, 8, np.int32), model.new_caches(batch, max_len, k_max + 1),
-                    model.new_mtp_cache(batch, max_len, k_max + 1))
+    prefilled = []
 
-    def seconds(k, repair):
-        jax.block_until_ready(run_round(c, dtype, k, mode, repair, model.params, sampling, state))
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            jax.block_until_ready(run_round(c, dtype, k, mode, repair, model.params, sampling, state))
-            times.append(time.perf_counter() - began)
-        return statistics.median(times)
+    def seconds(k: int, repair: bool) -> float:
+        if not prefilled:
+            prefilled.append(prefill(model, mode, sampling, jax.random.key(0), np.zeros((batch, 8), np.int32),
+                                     np.full(batch, 8, np.int32), model.new_caches(batch, cache_len, headroom),
+                                     model.new_mtp_cache(batch, cache_len, headroom))[0])
+        began = time.perf_counter()
+        with model.mesh_context():
+            for _ in range(calibration.ROUNDS):
+                np.asarray(run_round(c, dtype, k, mode, repair, model.params, sampling, prefilled[0])[1])
+        return (time.perf_counter() - began) / calibration.ROUNDS
 
-    plain = seconds(0, False)
-    return np.array([seconds(k, k == 0) / plain for k in range(k_max + 1)])
-
+    return calibration.round_costs(key, lambda: seconds(0, False), lambda k: seconds(k, k == 0), k_max)
