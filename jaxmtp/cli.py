@@ -452,9 +452,8 @@ def _generate_v4(args, tokenizer, prompts):
     from jaxmtp.generation import auto_max_k
     from jaxmtp.models.deepseek_v4.speculative import round_costs, stream
 
-    for flag, value in (("--distributed", args.distributed), ("--chat", args.chat)):
-        if value:
-            raise UsageError(f"{flag}: not available for DeepSeek-V4 checkpoints yet (docs/deepseek_v4.md)")
+    if args.distributed:
+        raise UsageError("--distributed: not available for DeepSeek-V4 checkpoints yet (docs/deepseek_v4.md)")
     with _reading("--model", args.model):
         model = load_v4(args.model, matmul=args.matmul or "dequant", mesh=_device_mesh(args.mesh))
     k = args.k
