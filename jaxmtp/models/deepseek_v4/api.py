@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from jaxmtp import streaming
+from jaxmtp.errors import InputError
 from jaxmtp.generation import GenerationOutput, TokenStream, _check, auto_max_k
 from jaxmtp.generation_config import GenerationConfig
 from jaxmtp.models.deepseek_v4 import speculative
@@ -20,6 +21,8 @@ from jaxmtp.stats import GenerationStats
 def rounds(model: V4Model, prompts, g: GenerationConfig, tokenizer) -> Iterator[list[list[int]]]:
     """Each row's new tokens after the prefill and after each round; returns the `GenerationOutput`.
     A prompt shorter than g.prefill_chunk is prefilled in one pass, a longer one in its chunks."""
+    if g.speculative_k not in (0, "auto") and not model.config.has_mtp and model.mtp_note:
+        raise InputError(f"speculative_k: this model has no MTP block to draft with: {model.mtp_note}")
     prompts, _ = _check(model, prompts, g)  # refuses what jaxmtp.generate refuses, naming it
     has_mtp, auto = model.config.has_mtp, g.speculative_k == "auto"
     most = (auto_max_k(model) if has_mtp else 0) if auto else g.speculative_k
