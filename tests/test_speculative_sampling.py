@@ -2,7 +2,7 @@
 
 The reference distribution comes from full (uncached) forward passes over every possible prefix,
 transformed by a numpy temperature / top-k / top-p written from their definitions; the samples come
-from 20,480 rows of one `generate` call. A chi-square test compares them.
+from 12,288 rows of one `generate` call. A chi-square test compares them.
 """
 
 import itertools
@@ -17,14 +17,14 @@ import jaxmtp
 from jaxmtp.generation import prepare, unpack
 
 VOCAB = 8
-# One dense main layer (the MTP layer has the MoE): the exactness is per token, and 20,480 rows of a
-# MoE layer's prefill made each call 1.5x dearer.
+# One dense main layer (the MTP layer has the MoE): the exactness is per token, and a MoE layer's
+# prefill over every row made each call 1.5x dearer.
 CONFIG = gm.TINY.replace(vocab_size=VOCAB, num_hidden_layers=1)
 # The same with DeepSeek Sparse Attention reading 3 keys per query: from the third generated token on,
 # the prompt and drafts are more than that, so the indexer's choice shapes every distribution.
 V32 = CONFIG.replace(model_type="deepseek_v32", index_n_heads=16, index_head_dim=16, index_topk=3)
 PROMPT = [3, 1, 4, 1, 5]
-SAMPLES = 20_480
+SAMPLES = 12_288  # enough that sampling at temperature 1.25 against 1.0's distribution gives p ~ 1e-126 at k = 2
 NEW = 3
 
 
