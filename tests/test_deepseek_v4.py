@@ -185,15 +185,19 @@ def test_mtp_block_matches_deepseeks_formulas_on_four_streams():
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-4, rtol=0)
 
 
+# A small vocabulary makes the random MTP block's drafts right often enough that rounds accept one,
+# two or more drafts as well as rejecting them.
+DRAFTING = V4Config(vocab_size=8, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=2, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
+                    layer_types=(CSA, HCA), mlp_layer_types=("hash_moe", "moe"), head_dim=16, qk_rope_head_dim=4,
+                    sliding_window=6, compress_rates=(4, 8), o_groups=2, o_lora_rank=8, index_n_heads=8,
+                    index_head_dim=8, index_topk=2, hc_mult=2, initializer_range=0.3)
+
+
 def test_speculative_greedy_is_plain_greedy_across_window_and_compression_boundaries():
-    """A small vocabulary makes the random MTP block's drafts right often enough that rounds accept
-    one, two or more drafts as well as rejecting them."""
-    config = V4Config(vocab_size=8, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
-                      num_attention_heads=2, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
-                      layer_types=(CSA, HCA), mlp_layer_types=("hash_moe", "moe"), head_dim=16, qk_rope_head_dim=4,
-                      sliding_window=6, compress_rates=(4, 8), o_groups=2, o_lora_rank=8, index_n_heads=8,
-                      index_head_dim=8, index_topk=2, hc_mult=2, initializer_range=0.3)
-    model = init_v4(config, seed=1)
+    """Rounds that accept several drafts and rounds that reject (DRAFTING), EOS ids, stop sequences
+    and strings, log-probabilities, auto, and the property on seeded random prompts and k."""
+    model = init_v4(DRAFTING, seed=1)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 8, n).tolist() for n in (5, 17, 11)]
     plain = model.greedy(prompts, 30)
@@ -251,12 +255,7 @@ def test_jaxmtp_generate_and_generate_stream_take_a_v4_model(monkeypatch, tmp_pa
     import jaxmtp
     from jaxmtp import calibration
 
-    config = V4Config(vocab_size=8, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
-                      num_attention_heads=2, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
-                      layer_types=(CSA, HCA), mlp_layer_types=("hash_moe", "moe"), head_dim=16, qk_rope_head_dim=4,
-                      sliding_window=6, compress_rates=(4, 8), o_groups=2, o_lora_rank=8, index_n_heads=8,
-                      index_head_dim=8, index_topk=2, hc_mult=2, initializer_range=0.3)
-    model = init_v4(config, seed=1)
+    model = init_v4(DRAFTING, seed=1)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 3, 1]]
     plain = model.greedy(prompts, 20)
     out = jaxmtp.generate(model, prompts, max_new_tokens=20, speculative_k=2, return_logprobs=True)
