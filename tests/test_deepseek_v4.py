@@ -275,6 +275,9 @@ def test_jaxmtp_generate_and_generate_stream_take_a_v4_model(monkeypatch, tmp_pa
     auto = jaxmtp.generate(model, prompts, max_new_tokens=20, speculative_k="auto")
     assert auto.tokens == plain and len(auto.stats.round_costs) == 3  # k = 0..2 on a CPU
     assert (tmp_path / calibration.FILE).exists()
+    monkeypatch.setattr(calibration, "measure", lambda *args, **kwargs: pytest.fail("measured the costs again"))
+    again = jaxmtp.generate(model, prompts, max_new_tokens=20, speculative_k="auto")
+    assert again.stats.round_costs == auto.stats.round_costs and again.tokens == plain
     # streaming, with a stop string (ids written as digits): the text is cut before it
     digits = type("Digits", (), {"decode": staticmethod(lambda ids: "".join(map(str, ids)))})
     stop = "".join(map(str, plain[0][8:10]))

@@ -30,6 +30,7 @@ from jaxmtp.decoding import AUTO_SEGMENT
 from jaxmtp.errors import InputError
 from jaxmtp.models.deepseek_v4.model import V4Model
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4
+from jaxmtp.quant import QuantizedWeight
 from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities, split
 from jaxmtp.speculative import verify_greedy, verify_sampled
 
@@ -285,24 +286,30 @@ class _Ends:
 def round_costs(model: V4Model, batch: int, cache_len: int, k_max: int, headroom: int | None = None) -> list[float]:
     """A greedy round's cost at k = 0..k_max (auto's round at k = 0 with its MTP repair) in plain
     rounds, for `batch` rows of caches of cache_len positions (and `headroom`, default k_max + 1):
-    the figures jaxmtp.calibration keeps on disk for this model, device and shape, else measured now
-    (`calibration.measure`: each k between plain rounds, the median of its repeats) and kept. Each
-    round is timed from one prefilled state to its result on the host, as `decode` runs them."""
+    the figures jaxmtp.calibration keeps on disk for this model (config, dtype, how its kept weights
+    multiply, its mesh), device and shape, else measured now (`calibration.measure`: each k between
+    plain rounds, the median of its repeats) and kept. Each round is timed from one prefilled state
+    to its result on the host, as `decode` runs them."""
     headroom = k_max + 1 if headroom is None else headroom
     mode, c, dtype = SamplingMode(), model.config, model.dtype
-    key = calibration.key(dataclasses.asdict(c), dtype, "deepseek_v4", mode, batch, 8, cache_len, k_max)
+    matmuls = sorted({w.matmul for w in jax.tree.leaves(model.params, is_leaf=lambda v: isinstance(v, QuantizedWeight))
+                      if isinstance(w, QuantizedWeight)})
+    where = dict(model.mesh.shape) if model.mesh is not None else "one device"
+    layout = f"deepseek_v4|headroom {headroom}|matmul {matmuls}|mesh {where}"
+    key = calibration.key(dataclasses.asdict(c), dtype, layout, mode, batch, 8, cache_len, k_max)
+    known = calibration.stored(key, k_max)
+    if known is not None:
+        return known
     sampling = SamplingParams(temperature=jnp.float32(1), top_k=jnp.int32(1), top_p=jnp.float32(1))
-    prefilled = []
+    state = prefill(model, mode, sampling, jax.random.key(0), np.zeros((batch, 8), np.int32),
+                    np.full(batch, 8, np.int32), model.new_caches(batch, cache_len, headroom),
+                    model.new_mtp_cache(batch, cache_len, headroom))[0]
 
     def seconds(k: int, repair: bool) -> float:
-        if not prefilled:
-            prefilled.append(prefill(model, mode, sampling, jax.random.key(0), np.zeros((batch, 8), np.int32),
-                                     np.full(batch, 8, np.int32), model.new_caches(batch, cache_len, headroom),
-                                     model.new_mtp_cache(batch, cache_len, headroom))[0])
         began = time.perf_counter()
         with model.mesh_context():
             for _ in range(calibration.ROUNDS):
-                np.asarray(run_round(c, dtype, k, mode, repair, model.params, sampling, prefilled[0])[1])
+                np.asarray(run_round(c, dtype, k, mode, repair, model.params, sampling, state)[1])
         return (time.perf_counter() - began) / calibration.ROUNDS
 
-    return calibration.round_costs(key, lambda: seconds(0, False), lambda k: seconds(k, k == 0), k_max)
+    return calibration.measured(key, lambda: seconds(0, False), lambda k: seconds(k, k == 0), k_max)
