@@ -31,13 +31,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_workers(model_dir, out_dir, script="multiprocess_worker.py"):
+def _run_workers(model_dir, out_dir, script="multiprocess_worker.py", *extra):
     """Both workers to their end (killed past WORKER_TIMEOUT) -> their JSON results."""
     port = str(_free_port())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
                WORKER_TIMEOUT=str(WORKER_TIMEOUT))
     workers = [subprocess.Popen([sys.executable, os.path.join(HERE, script), str(i), port, model_dir,
-                                 out_dir], env=dict(env, JAXMTP_CACHE_DIR=os.path.join(out_dir, f"costs{i}")),
+                                 out_dir, *extra], env=dict(env, JAXMTP_CACHE_DIR=os.path.join(out_dir, f"costs{i}")),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for i in range(2)]
     try:
@@ -52,6 +52,17 @@ def _run_workers(model_dir, out_dir, script="multiprocess_worker.py"):
         with open(os.path.join(out_dir, f"process{i}.json")) as f:
             results.append(json.load(f))
     return results
+
+
+def test_two_processes_generate_at_k2_like_one(tmp_path):
+    """The suite's check of several processes (the test below, with JAXMTP_LONG_TESTS=1, adds k = 0
+    and auto): speculative greedy at k = 2 on the mesh the two processes form gives one process's
+    tokens."""
+    model_dir = str(tmp_path / "model")
+    single = gm.model("partial", CONFIG)
+    jaxmtp.save(single, model_dir)
+    first, second = _run_workers(model_dir, str(tmp_path), "multiprocess_worker.py", "quick")
+    assert first["2"] == second["2"] == jaxmtp.generate(single, PROMPTS, max_new_tokens=10, speculative_k=2).tokens
 
 
 @pytest.mark.skipif(not os.environ.get("JAXMTP_LONG_TESTS"), reason="two processes compiling four loops each take "
