@@ -28,8 +28,7 @@ def rounds(model: V4Model, prompts, g: GenerationConfig, tokenizer) -> Iterator[
     most = (auto_max_k(model) if has_mtp else 0) if auto else g.speculative_k
     longest = max(len(p) for p in prompts)
     chunk = g.prefill_chunk if longest > g.prefill_chunk else None
-    width = -(-longest // chunk) * chunk if chunk else longest
-    cache_len = width + (g.max_new_tokens + 1) * (most + 1) + 1  # what decode sizes by default
+    width, cache_len = speculative.sizes(longest, g.max_new_tokens, most, chunk)  # decode's own sizes
     options = dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=g.seed, cache_len=cache_len,
                    prefill_chunk=chunk, eos_token_id=g.eos_token_id, stop_token_ids=g.stop_token_ids, stop=g.stop,
                    tokenizer=tokenizer)

@@ -3,6 +3,7 @@ by position, a whole-sequence forward and greedy decoding; `init_v4`."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import warnings
@@ -203,8 +204,8 @@ def parameter_counts(config: V4Config) -> dict[str, int]:
     plus num_experts_per_tok of them per layer)."""
     # A layer's parameters depend on its attention and routing kinds only: shapes of one layer of
     # each kind, counted as often as the kind occurs (tracing all of V4-Pro's 61 layers takes seconds).
-    kinds = list(zip(config.layer_types, config.mlp_layer_types))
-    distinct = list(dict.fromkeys(kinds))
+    kinds = collections.Counter(zip(config.layer_types, config.mlp_layer_types))
+    distinct = list(kinds)  # in the order of their first layer
     one_each = config.replace(num_hidden_layers=len(distinct), layer_types=tuple(a for a, _ in distinct),
                               mlp_layer_types=tuple(m for _, m in distinct))
     leaves = jax.tree_util.tree_flatten_with_path(abstract_params(one_each))[0]
@@ -212,7 +213,7 @@ def parameter_counts(config: V4Config) -> dict[str, int]:
     for path, leaf in leaves:
         keys = [getattr(p, "key", None) for p in path]
         layer = keys[0].removeprefix("layers_") if keys[0].startswith("layers_") else None
-        size = int(np.prod(leaf.shape)) * (kinds.count(distinct[int(layer)]) if layer is not None else 1)
+        size = int(np.prod(leaf.shape)) * (kinds[distinct[int(layer)]] if layer is not None else 1)
         counts["mtp" if keys[0] == "mtp" else "main"] += size
         if keys[0] != "mtp" and "experts" in keys:
             counts["routed_experts"] += size

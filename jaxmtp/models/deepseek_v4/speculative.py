@@ -232,11 +232,10 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
     lengths = np.array([len(p) for p in prompts], np.int32)
     b = len(prompts)
     chunk = prefill_chunk and checks.whole("prefill_chunk", prefill_chunk, minimum=1)
-    width = -(-int(lengths.max()) // chunk) * chunk if chunk else int(lengths.max())
+    width, needed = sizes(int(lengths.max()), max_new_tokens, most, chunk)
     prompt = np.zeros((b, width), np.int32)
     for i, p in enumerate(prompts):
         prompt[i, :len(p)] = p
-    needed = width + (max_new_tokens + 1) * (most + 1) + 1  # rows that are done keep decoding
     max_len = checks.whole("cache_len", cache_len, minimum=needed) if cache_len is not None else needed
     headroom = checks.whole("headroom", headroom, minimum=most + 1) if headroom is not None else most + 1
     c, dtype = model.config, model.dtype
@@ -266,6 +265,14 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
                     done[i] = True
                     break
         yield new, new_logprobs, chosen, accepted
+
+
+def sizes(longest: int, max_new_tokens: int, most: int, chunk: int | None = None) -> tuple[int, int]:
+    """(prompt width, cache positions) that `decode` uses by default: the longest prompt rounded up
+    to whole chunks of `chunk` (None: one pass), and room past it for max_new_tokens rounds of up to
+    `most` + 1 tokens each (rows that are done keep decoding)."""
+    width = -(-longest // chunk) * chunk if chunk else longest
+    return width, width + (max_new_tokens + 1) * (most + 1) + 1
 
 
 class _Ends:
