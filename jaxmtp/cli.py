@@ -428,68 +428,35 @@ def _generate(args):
     # The prompts are encoded (or refused) before the weights are read, which for a published
     # checkpoint takes many minutes; a --model that is no directory is the loader's to name.
     tokenizer, prompts = _text_inputs(args) if os.path.isdir(args.model) else (None, None)
-    if os.path.isdir(args.model) and _is_v4(args.model, "--model"):
-        return _generate_v4(args, tokenizer, prompts)
-    model = _load(args.model, mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet, matmul=args.matmul)
+    v4 = os.path.isdir(args.model) and _is_v4(args.model, "--model")
+    if v4:
+        model = _load_v4(args)
+    else:
+        model = _load(args.model, mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet, matmul=args.matmul)
     config = _generation_config(args, model)
     if not model.config.has_mtp:
-        print("no MTP layer in this model (num_nextn_predict_layers = 0): speculation needs one, so this is plain "
-              "decoding", file=sys.stderr)
-    with _Progress(quiet=args.quiet) as progress:
-        compile_s = warm_up(model, prompts, config, progress=progress)
+        why = (getattr(model, "mtp_note", None) or "num_nextn_predict_layers = 0")
+        print(f"no MTP layer in this model ({why}): speculation needs one, so this is plain decoding", file=sys.stderr)
+        config = config.replace(speculative_k=0) if v4 else config
+    compile_s = None  # a DeepSeek-V4 model compiles each round's program on first use, within the run
+    if not v4:
+        with _Progress(quiet=args.quiet) as progress:
+            compile_s = warm_up(model, prompts, config, progress=progress)
     for prompt in prompts:
         stream = generate_stream(model, prompt, config, tokenizer=tokenizer)
         run_s, first_s = echo(stream, prompt, tokenizer)
         _report(stream.output, config, run_s, first_s, compile_s)
 
 
-def _generate_v4(args, tokenizer, prompts):
-    """`generate` of a DeepSeek-V4 checkpoint (jaxmtp.models.deepseek_v4): FP8 and FP4 weights kept,
-    on one device or --mesh, a Python call per round; --k auto reads the rounds' costs from
-    jaxmtp.calibration's table, or measures and keeps them first."""
-    from jaxmtp import streaming
+def _load_v4(args):
+    """A DeepSeek-V4 checkpoint for `generate` (jaxmtp.models.deepseek_v4.load_v4): FP8 and FP4
+    weights kept, on one device or --mesh."""
     from jaxmtp.models.deepseek_v4 import load_v4
-    from jaxmtp.generation import auto_max_k
-    from jaxmtp.models.deepseek_v4.speculative import round_costs, stream
 
     if args.distributed:
         raise UsageError("--distributed: not available for DeepSeek-V4 checkpoints yet (docs/deepseek_v4.md)")
     with _reading("--model", args.model):
-        model = load_v4(args.model, matmul=args.matmul or "dequant", mesh=_device_mesh(args.mesh))
-    k = args.k
-    if k and not model.config.has_mtp:
-        print(f"no MTP block in this model ({model.mtp_note or 'num_nextn_predict_layers = 0'}): this is plain "
-              "decoding", file=sys.stderr)
-        k = 0
-    max_new = args.max_new_tokens or 64
-    options = dict(temperature=args.temperature or 0.0, top_k=args.top_k or 0,
-                   top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
-                   prefill_chunk=args.prefill_chunk, eos_token_id=None if args.ignore_eos else model.config.eos_token_id,
-                   stop_token_ids=tuple(map(tuple, args.stop_tokens or ())), stop=tuple(args.stop), tokenizer=tokenizer)
-    if k == "auto":  # on caches of the length every prompt's call then uses; kept on disk
-        longest, most = max(len(prompt) for prompt in prompts), auto_max_k(model)
-        width = -(-longest // args.prefill_chunk) * args.prefill_chunk if args.prefill_chunk else longest
-        options["cache_len"] = width + (max_new + 1) * (most + 1) + 1
-        options["k_max"] = most
-        options["costs"] = round_costs(model, 1, options["cache_len"], most)
-        if not args.quiet:
-            print(f"round costs in plain rounds, k = 0..{most}: " + ", ".join(f"{c:.2f}" for c in options["costs"]),
-                  file=sys.stderr)
-    for prompt in prompts:
-        print(tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else f"{prompt} ->", end="", flush=True)
-        began, new, shown = time.perf_counter(), [], 0
-        for tokens in stream(model, prompt, max_new, k, **options):
-            new += tokens
-            if tokenizer is None:
-                print("".join(f" {t}" for t in tokens), end="", flush=True)
-            else:  # without what may still change, and cut before a stop string
-                text = streaming.visible(tokenizer.decode(new), args.stop, final=False)
-                print(text[shown:], end="", flush=True)
-                shown = len(text)
-        if tokenizer is not None:
-            print(streaming.visible(tokenizer.decode(new), args.stop)[shown:], end="")
-        seconds = time.perf_counter() - began
-        print(f"\n\n{len(new)} new tokens in {seconds:.3f} s (compiling included)")
+        return load_v4(args.model, matmul=args.matmul or "dequant", mesh=_device_mesh(args.mesh))
 
 
 def _text_inputs(args):
@@ -549,8 +516,9 @@ def _report(out, config, run_s, first_s, compile_s):
 
     new = sum(len(t) for t in out.tokens)
     s = out.stats
+    compiling = "compiling and measuring included" if compile_s is None else f"compile {compile_s:.1f} s, not included"
     print(f"{new} new tokens in {run_s:.3f} s: {new / run_s:.1f} tokens/s, the first after {1000 * first_s:.0f} ms "
-          f"(compile {compile_s:.1f} s, not included)")
+          f"({compiling})")
     if s.chose_plain:
         print(f"speculative_k=auto decoded plainly: {plain_reason(s.round_costs)}. `jaxmtp bench` measures each k "
               "against plain decoding here.")
