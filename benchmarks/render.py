@@ -271,6 +271,38 @@ def plans_section() -> str:
     return text + "\n\n" + source(result, "plans") + "\n"
 
 
+def plans_v4_section() -> str:
+    result = load("plans_v4")
+    if result is None:
+        return ""
+    parts = []
+    for name, f in result["figures"].items():
+        mesh = ",".join(f"{axis}={size}" for axis, size in f["mesh"].items() if size > 1)
+        head = f"**{f['config']}, {f['devices']} x {f['device']}, `{mesh}`**, within {f['limit']}"
+        if not f["rows"]:
+            smallest = min(c["total_bytes_per_device"] for c in f["compiled"])
+            parts.append(f"{head}: nothing fits. The parameters take {gb(f['parameter_bytes_per_device'])} GB of each "
+                         f"device's {gb(f['limit_bytes'])} GB; the smallest plan compiled held {gb(smallest)} GB.")
+            continue
+        rows = [[r["batch"], r["cache_len"], gb(r["parameter_bytes_per_device"]), gb(r["cache_bytes_per_device"]),
+                 gb(r["xla_temp_bytes"]), gb(r["total_bytes_per_device"]), r["largest_program"].replace("_", " ")]
+                for r in f["rows"]]
+        parts.append(head + ":\n\n" + table(["batch", "cache tokens", "params GB", "caches GB", "temporaries GB",
+                                               "total GB", "largest program"], rows))
+    first = next(iter(result["figures"].values()))
+    loop = (first["rows"] or [{"loop": "the auto loop", "prefill_chunk": "?"}])[0]
+    return ("## DeepSeek-V4 memory at scale (`jaxmtp plan --fit`)\n\n"
+            "The longest cache (with a prompt as long, prefilled in chunks) that fits per batch, from XLA's memory "
+            "analysis of AOT compiles for emulated devices (`benchmarks/plans_v4.py`): the prefill chunk program and "
+            f"the round of the most drafts that the loop may take ({loop['loop']}), whichever holds more; FP8 "
+            "linears and FP4 experts kept as a released checkpoint loads; JAX's default limits. These are XLA:CPU's "
+            "figures: the CPU widens bfloat16 products to float32 and expands the prefill's grouped expert matmuls "
+            "(`ragged_dot`) into dense products over every local expert (the prefill's largest temporaries), where "
+            "a GPU's XLA runs them as grouped GEMMs, so a GPU should hold less. No V4 model has run on a GPU or a "
+            "TPU, and no published V4 checkpoint has been loaded.\n\n" + "\n\n".join(parts)
+            + "\n\n" + source(result, "plans_v4") + "\n")
+
+
 def device_plan_section() -> str:
     result = load("h200_plan_device")
     if result is None:
@@ -531,7 +563,7 @@ def page() -> str:
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
              auto_section(), decode_step_section(), serving_section(), engine_latency_section(), sparse_section(), family_section(),
              real_width_section(),
-             plans_section(), device_plan_section(), cold_start_section()]
+             plans_section(), device_plan_section(), plans_v4_section(), cold_start_section()]
     return "\n".join(p for p in parts if p).rstrip() + "\n"
 
 

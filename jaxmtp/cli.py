@@ -619,7 +619,14 @@ def _plan(args):
     from jaxmtp.plan import (DEVICES, allocator_settings, default_loops, fit, fit_report, memory_limit, plans, report,
                              total_bytes)
 
-    config = _config(args.config)
+    if _is_v4(args.config, "--config"):  # DeepSeek-V4 compiles its own programs (a prefill chunk and a round)
+        from jaxmtp.models.deepseek_v4.config import V4Config
+        from jaxmtp.models.deepseek_v4.plan import plans as planner
+
+        with _reading("--config", config_file(args.config)):
+            config = V4Config.from_hf_config(config_file(args.config))
+    else:
+        planner, config = plans, _config(args.config)
     if args.k and not config.has_mtp and args.loop != "auto":
         raise UsageError(f"--k {args.k}: --config {args.config} has no MTP layer (num_nextn_predict_layers = 0); "
                          "plan its plain decoding with --k 0")
@@ -638,12 +645,12 @@ def _plan(args):
         if not args.quiet:
             print(f"searching within {limit.describe()}", flush=True)
         results = fit(config, **sizes, capacity=limit.bytes, k=args.k, matmul=args.matmul,
-                      prefill_chunk=args.prefill_chunk, progress=shown, loops=loops)
+                      prefill_chunk=args.prefill_chunk, progress=shown, loops=loops, planner=planner)
         print(fit_report(results, limit))
         return
     if args.prompt_len and args.prompt_len > args.max_len:
         raise UsageError(f"--prompt-len {args.prompt_len}: longer than the cache (--max-len {args.max_len})")
-    results = plans(config, **sizes, batch=args.batch, max_len=args.max_len,
+    results = planner(config, **sizes, batch=args.batch, max_len=args.max_len,
                     prompt_len=args.prompt_len or args.max_len // 2, loops=loops, matmul=args.matmul,
                     prefill_chunk=args.prefill_chunk)
     print(report(results, [memory_limit(device, settings) for device in DEVICES.values()]))

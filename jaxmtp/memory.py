@@ -13,7 +13,6 @@ import math
 import warnings
 
 import jax
-import numpy as np
 
 from jaxmtp.errors import CheckpointError
 
@@ -39,7 +38,8 @@ def bytes_per_device(target, shardings=None) -> dict:
 
 
 def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * np.dtype(dtype).itemsize
+    """Bytes of an array; sub-byte types (FP4) packed two to a byte, as XLA stores them."""
+    return -(-math.prod(shape) * jax.dtypes.itemsize_bits(dtype) // 8)
 
 
 def device_room(device) -> tuple[int | None, str]:

@@ -305,22 +305,22 @@ def largest(results: Sequence[dict]) -> dict:
     return max(results, key=total_bytes)
 
 
-def largest_temporaries(dump: str, count: int = 8) -> list[dict]:
-    """The largest buffers of the compiled generation's temporary allocation, from XLA's buffer
-    assignment in `dump` (an --xla_dump_to folder): [{"bytes", "shape", "op"}], largest first, one
-    entry per (shape, op) pair. `op` is the JAX operation that made the buffer (its op_name
-    metadata, e.g. ".../advance/while/body/.../moe/mlp/experts/..."), or XLA's instruction name
-    where it has none."""
-    (assignment,) = glob.glob(f"{dump}/*_generation*buffer-assignment.txt")
-    (program,) = glob.glob(f"{dump}/*_generation*after_optimizations.txt")
-    ops = _op_names(open(program).read())
+def largest_temporaries(dump: str, count: int = 8, program: str = "_generation") -> list[dict]:
+    """The largest buffers of the temporary allocation of the compiled `program` (the jitted
+    function's name; by default the generation), from XLA's buffer assignment in `dump` (an
+    --xla_dump_to folder): [{"bytes", "shape", "op"}], largest first, one entry per (shape, op)
+    pair. `op` is the JAX operation that made the buffer (its op_name metadata, e.g.
+    ".../advance/while/body/.../moe/mlp/experts/..."), or XLA's instruction name where it has none."""
+    (assignment,) = glob.glob(f"{dump}/*{program}*buffer-assignment.txt")
+    (module,) = glob.glob(f"{dump}/*{program}*after_optimizations.txt")
+    ops = _op_names(open(module).read())
     text = open(assignment).read()
     temp = next(block for block in re.split(r"^(?=allocation \d+:)", text, flags=re.M)
                 if "preallocated-temp" in block.split("\n", 1)[0])
     values = re.findall(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)", temp)
     seen, out = set(), []
     for name, size, shape in sorted(values, key=lambda v: -int(v[1])):
-        op = ops.get(name, name).removeprefix("jit(_generation)/").replace("\\'", "'")
+        op = ops.get(name, name).removeprefix(f"jit({program})/").replace("\\'", "'")
         shape = shape.split("{")[0]
         if (shape, op) not in seen:
             seen.add((shape, op))
@@ -368,7 +368,7 @@ def total_bytes(figures: dict) -> int:
 
 def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: float, k: int = 2, dtype=jnp.bfloat16,
         matmul: str = "dequant", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, rows: int = 4,
-        progress=lambda figures: None, *, loops: Sequence[Loop] | None = None) -> list[dict]:
+        progress=lambda figures: None, *, loops: Sequence[Loop] | None = None, planner=None) -> list[dict]:
     """The largest cache lengths that fit `capacity` bytes per device (a `MemoryLimit`'s bytes),
     for batches of data x 1, 2, 4, .. rows per device (`rows` batches at most, fewer where not even
     one prefill chunk fits), each with a prompt as long as its cache (prefilled in chunks). Each
@@ -380,11 +380,14 @@ def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: floa
     batch's predicted length, rounded down to CONTEXT_STEP, is then compiled to check it, and
     shortened by the excess over the per-token cost until it fits. -> the `plan` result of the
     largest loop of each batch that fits, smallest batch first, with "loops": [{"loop",
-    "total_bytes"}] of every loop. `progress` receives every compile's figures."""
+    "total_bytes"}] of every loop. `progress` receives every compile's figures. `planner`: `plans`
+    by default, or another with its arguments and figures (DeepSeek-V4's,
+    jaxmtp.models.deepseek_v4.plan.plans)."""
     loops = default_loops(config, k) if loops is None else tuple(loops)
+    planner = plans if planner is None else planner
 
     def measure(batch, length):
-        results = plans(config, data, expert, tensor, batch, length, length, loops=loops, dtype=dtype, matmul=matmul,
+        results = planner(config, data, expert, tensor, batch, length, length, loops=loops, dtype=dtype, matmul=matmul,
                         prefill_chunk=prefill_chunk, progress=progress)
         return dict(largest(results), loops=[{"loop": r["loop"], "total_bytes": total_bytes(r)} for r in results])
 
@@ -455,8 +458,8 @@ def report(results: Sequence[dict], limits: Sequence[MemoryLimit]) -> str:
               f"{r['compile_seconds']:9.0f}" for r in results]
     lines += [f"the largest, {figures['loop']}:",
               f"parameters per device (largest):     {gb(figures['parameter_bytes_per_device'])}"
-              f"   ({figures['fp8_weights'] / 1e9:.1f} B weights kept FP8)",
-              f"MLA caches per device (main + MTP):  {gb(figures['cache_bytes_per_device'])}",
+              f"   ({figures['fp8_weights'] / 1e9:.1f} B weights kept block-scaled)",
+              f"caches per device (main + MTP):      {gb(figures['cache_bytes_per_device'])}",
               f"XLA arguments per device:            {gb(figures['xla_argument_bytes'])}",
               f"XLA temporaries per device:          {gb(figures['xla_temp_bytes'])}",
               f"XLA outputs per device:              {gb(figures['xla_output_bytes'])}",

@@ -29,11 +29,12 @@ TINY = dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_attent
 # below the number of entries makes the indexer choose. 16 index heads make an exact tie of scores at
 # relu's zero (every head negative), where two implementations' top-k may pick differently, unlikely.
 CONFIGS_HF = {
-    # every attention kind, hash layers first
-    "kinds": dict(layer_types=[SLIDING, CSA, HCA, CSA], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    # every attention kind, a hash layer first, then two (HCA, CSA) pairs: V4-Flash's pattern, whose
+    # repeated pair runs in a loop over stacked parameters (transformer.segments)
+    "kinds": dict(layer_types=[SLIDING, HCA, CSA, HCA, CSA], mlp_layer_types=["hash_moe"] + ["moe"] * 4,
                   sliding_window=8, compress_rates={CSA: 4, HCA: 8}, index_topk=3),
-    # V4-Pro's pattern (HCA first), YaRN on the compressed layers
-    "pro_yarn": dict(layer_types=[HCA, HCA, CSA, HCA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    # V4-Pro's pattern (two HCA hash layers, looped, then CSA), YaRN on the compressed layers
+    "pro_yarn": dict(layer_types=[HCA, HCA, CSA, HCA], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
                      sliding_window=6, compress_rates={CSA: 4, HCA: 16}, index_topk=2,
                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                       "beta_fast": 32, "beta_slow": 1}),
@@ -197,7 +198,7 @@ DRAFTING = V4Config(vocab_size=8, hidden_size=32, moe_intermediate_size=16, num_
 def test_speculative_greedy_is_plain_greedy_across_window_and_compression_boundaries():
     """Rounds that accept several drafts and rounds that reject (DRAFTING), EOS ids, stop sequences
     and strings, log-probabilities, auto, and the property on seeded random prompts and k."""
-    model = init_v4(DRAFTING, seed=1)
+    model = init_v4(DRAFTING, seed=3)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 8, n).tolist() for n in (5, 17, 11)]
     plain = model.greedy(prompts, 30)

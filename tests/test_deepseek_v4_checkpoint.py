@@ -4,6 +4,7 @@ released layout (written here, not by save_v4) loaded kept and dequantized, equa
 tokens, the FP8 kernels on it; save -> load round trips (the released layout bit for bit, transformers'
 loaded by transformers); bad checkpoints refused by name."""
 
+import itertools
 import json
 import os
 
@@ -22,6 +23,7 @@ from jaxmtp.models.deepseek_v4.checkpoint import (FP4_CODES, decode_fp4, e8m0_to
                                                    fp4_weight, is_fp4, load_v4, pack_fp4, save_v4, unpack_fp4,
                                                    with_matmul)
 from jaxmtp.models.deepseek_v4.speculative import generate
+from jaxmtp.models.deepseek_v4.transformer import unstack_layers
 from jaxmtp.moe import gathered_experts, local_experts
 from jaxmtp.quant import QuantizedWeight, dequantize
 from jaxmtp.sharding import make_mesh
@@ -29,10 +31,11 @@ from jaxmtp.sharding import make_mesh
 # The format, as published: code -> value, low nibble = the lower input index, scale byte b = 2^(b - 127).
 TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
-# Widths over 128 and not multiples of it, so FP8 weights have several blocks, partial ones at the edges.
-CONFIG = V4Config(vocab_size=256, hidden_size=192, moe_intermediate_size=64, num_hidden_layers=2,
+# Widths over 128 and not multiples of it, so FP8 weights have several blocks, partial ones at the edges;
+# two HCA layers, which the model keeps stacked and runs in a loop (transformer.segments).
+CONFIG = V4Config(vocab_size=256, hidden_size=192, moe_intermediate_size=64, num_hidden_layers=3,
                   num_attention_heads=2, q_lora_rank=160, n_routed_experts=4, num_experts_per_tok=2,
-                  layer_types=(CSA, HCA), mlp_layer_types=("hash_moe", "moe"), head_dim=64, qk_rope_head_dim=16,
+                  layer_types=(CSA, HCA, HCA), mlp_layer_types=("hash_moe", "moe", "moe"), head_dim=64, qk_rope_head_dim=16,
                   sliding_window=8, compress_rates=(4, 8), o_groups=2, o_lora_rank=32, index_n_heads=4,
                   index_head_dim=32, index_topk=2, hc_mult=2, initializer_range=0.1,
                   quantization=QuantizationConfig(scale_fmt="ue8m0"), expert_dtype="fp4")
@@ -166,7 +169,7 @@ def released(tmp_path_factory):
     params = jax.tree_util.tree_map_with_path(  # the zero-initialised biases and sinks random too
         lambda kp, a: a + rng.normal(size=a.shape).astype(np.float32) * 0.3
         if kp[-1].key in ("base", "sinks", "position_bias", "e_score_correction_bias", "hc_base") else a, model.params)
-    tensors = released_tensors(params)
+    tensors = released_tensors(unstack_layers(CONFIG, params))
     directory = str(tmp_path_factory.mktemp("v4_released"))
     write_checkpoint(directory, CONFIG.to_hf_config(), tensors)
     return directory, tensors
@@ -271,12 +274,13 @@ def test_released_layout_loads_every_tensor_exactly(released, loaded):
     assert tensors["layers.0.ffn.experts.3.w2.weight"].shape == (192, 32) and "layers.0.ffn.gate.tid2eid" in tensors
     assert tensors["layers.1.attn.wq_a.scale"].shape == (2, 2) and "layers.1.ffn.gate.bias" in tensors
     paths = released_paths()
+    dense_layers, kept_layers = unstack_layers(CONFIG, dense.params), unstack_layers(CONFIG, kept.params)
     assert set(paths) == {name for name in tensors if not name.endswith(".scale")}
     for name, value in tensors.items():
         if name.endswith(".scale"):
             continue
         path, e = paths[name]
-        got_dense, got_kept = _leaf(dense.params, path), _leaf(kept.params, path)
+        got_dense, got_kept = _leaf(dense_layers, path), _leaf(kept_layers, path)
         if e is not None:
             got_dense = got_dense[e]
             got_kept = got_kept.replace(value=got_kept.value[e], scale=got_kept.scale[e])
@@ -298,7 +302,7 @@ def released_paths():
     from jaxmtp.models.deepseek_v4.model import abstract_params
 
     out = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(CONFIG))[0]:
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(unstack_layers(CONFIG, abstract_params(CONFIG)))[0]:
         path = tuple(k.key for k in keypath)
         for e in range(leaf.shape[0]) if v4names.split_path(path)[2] in v4names.EXPERT_WEIGHTS else (None,):
             out[v4names.released_name(path, e)] = path, e
@@ -420,12 +424,12 @@ def test_bad_tensors_are_refused_by_name(released, tmp_path, change, message):
         load_v4(variant(released, tmp_path, change))
 
 
-def fp8_experts(tensors, experts=range(4)):
-    """Layer 1's routed experts in FP8 with float32 block scales, as the base releases ship them."""
+def fp8_experts(tensors, experts=range(4), layers=(1, 2)):
+    """Routed experts of `layers` in FP8 with float32 block scales, as the base releases ship them."""
     out = {}
-    for e in experts:
+    for e, layer in itertools.product(experts, layers):
         for w in ("w1", "w2", "w3"):
-            name = f"layers.1.ffn.experts.{e}.{w}"
+            name = f"layers.{layer}.ffn.experts.{e}.{w}"
             dense = ref_fp4_decode(tensors[name + ".weight"], tensors[name + ".scale"])
             value, scale = ref_fp8_encode(dense)
             out[name + ".weight"], out[name + ".scale"] = value, SCALES[scale.view(np.uint8)]
@@ -435,11 +439,15 @@ def fp8_experts(tensors, experts=range(4)):
 def test_fp8_experts_with_float32_scales_load_as_fp8(released, tmp_path):
     tensors = fp8_experts(released[1])
     model = load_v4(variant(released, tmp_path, lambda t: t.update(tensors)))
-    up = model.params["layers_1"]["mlp"]["experts"]["up_proj"]
+    up = unstack_layers(CONFIG, model.params)["layers_2"]["mlp"]["experts"]["up_proj"]
     assert isinstance(up, QuantizedWeight) and not is_fp4(up) and up.block == (128, 128)
-    want = ref_fp8_decode(tensors["layers.1.ffn.experts.3.w3.weight"],
-                          float32_to_e8m0(tensors["layers.1.ffn.experts.3.w3.scale"]))
+    want = ref_fp8_decode(tensors["layers.2.ffn.experts.3.w3.weight"],
+                          float32_to_e8m0(tensors["layers.2.ffn.experts.3.w3.scale"]))
     assert np.array_equal(np.asarray(up.dequantize()[3]), want)
+    # layers 1 and 2 are stacked: one in FP8 and the other in FP4 is refused, naming the tensor
+    mixed = variant(released, tmp_path / "mixed", lambda t: t.update(fp8_experts(released[1], layers=(2,))))
+    with pytest.raises(CheckpointError, match=r"layers\.2\.ffn\.experts\.0\.w\d\.weight' is fp8, but layer 1's is fp4"):
+        load_v4(mixed)
 
 
 @pytest.mark.parametrize("change", [
@@ -496,7 +504,46 @@ def test_kept_weights_load_onto_a_mesh_and_decode_as_on_one_device(released, loa
     values and their scales: speculative tokens equal one device's."""
     directory, _ = released
     sharded = load_v4(directory, mesh=make_mesh(data=2, expert=2, tensor=2))
-    experts = sharded.params["layers_1"]["mlp"]["experts"]["gate_proj"]
+    experts = unstack_layers(CONFIG, sharded.params)["layers_1"]["mlp"]["experts"]["gate_proj"]
     assert is_fp4(experts) and experts.value.sharding.shard_shape(experts.value.shape)[0] == 1
     prompts = [list(TOKENS[0, :11]), list(TOKENS[1, :6])]
     assert generate(sharded, prompts, 8, 2).tokens == generate(loaded[0], prompts, 8, 2).tokens
+
+
+def _held(tree, device) -> int:
+    """Bytes of `tree`'s arrays on `device` (their shards there), e2m1 values packed two to a byte as
+    XLA stores them."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = next(s.data for s in leaf.addressable_shards if s.device == device)
+        total += -(-shard.size * jax.dtypes.itemsize_bits(shard.dtype) // 8)
+    return total
+
+
+def test_plan_counts_what_a_loaded_model_and_its_caches_hold_on_each_device(released, tmp_path, capsys):
+    """`jaxmtp plan` of a V4 config (abstract, kept FP8 and FP4 weights): its per-device parameter and
+    cache bytes equal what a real load onto the mesh and real caches hold on a device, and XLA's
+    arguments of the compiled programs hold at least those; the CLI prints the report."""
+    from jaxmtp.cli import main
+    from jaxmtp.models.deepseek_v4.plan import plans
+    from jaxmtp.plan import default_loops, total_bytes
+
+    mesh = make_mesh(data=2, expert=2, tensor=2)
+    model = load_v4(released[0], dtype="bfloat16", mesh=mesh)
+    results = plans(CONFIG, 2, 2, 2, batch=4, max_len=64, prompt_len=64, loops=default_loops(CONFIG, 2),
+                    prefill_chunk=16)
+    device = mesh.devices.flat[0]
+    caches = (model.new_caches(4, 64, headroom=4), model.new_mtp_cache(4, 64, headroom=4))
+    for figures in results:
+        assert figures["parameter_bytes_per_device"] == _held(model.params, device)
+        assert figures["cache_bytes_per_device"] == _held(caches, device)
+        held = figures["parameter_bytes_per_device"] + figures["cache_bytes_per_device"]
+        assert held <= figures["xla_argument_bytes"] and set(figures["programs"]) == {"prefill_chunk", "run_round"}
+        assert max(figures["programs"].values()) == total_bytes(figures)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG.to_hf_config()))
+    main(["plan", "--config", str(path), "--mesh", "data=2,expert=2,tensor=2", "--batch", "4", "--max-len", "64",
+          "--prefill-chunk", "16"])
+    out = capsys.readouterr().out
+    assert "auto (k = 0..3 per round), sampling with top-k and top-p" in out and "largest temporaries" in out
+    assert "caches per device (main + MTP)" in out and "H200 (141 GB)" in out

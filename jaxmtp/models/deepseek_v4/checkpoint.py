@@ -56,6 +56,7 @@ from jaxmtp.errors import CheckpointError, InputError
 from jaxmtp.models.deepseek_v4 import names as v4names
 from jaxmtp.models.deepseek_v4.config import HASH_MOE, V4Config
 from jaxmtp.models.deepseek_v4.model import V4Model, abstract_params, param_shardings
+from jaxmtp.models.deepseek_v4.transformer import segments, stack_layers, unstack_layers
 from jaxmtp.quant import KERNEL_BLOCK, MATMULS, QuantizedWeight, dequantize
 from jaxmtp.sharding import place
 
@@ -166,11 +167,12 @@ class _Slot:
 
 
 def expected_tensors(config: V4Config, abstract, layout: str) -> dict[str, _Slot]:
-    """Every tensor name of the parameter tree `abstract` in `layout`: "deepseek" (the release's
-    names), "hf" (transformers' state-dict names) or "hf_saved" (the names transformers'
-    save_pretrained writes); the MTP block always in DeepSeek's names (`mtp.0.*`)."""
+    """Every tensor name of the model's parameter tree `abstract` in `layout`: "deepseek" (the
+    release's names), "hf" (transformers' state-dict names) or "hf_saved" (the names transformers'
+    save_pretrained writes); the MTP block always in DeepSeek's names (`mtp.0.*`). Slot paths name
+    the layers one by one (transformer.unstack_layers)."""
     out = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(unstack_layers(config, abstract))[0]:
         path = tuple(k.key for k in keypath)
         part, _, rest = v4names.split_path(path)
         released = layout == "deepseek" or part in ("mtp", "mtp_block")
@@ -259,11 +261,13 @@ def load_v4(path, *, dtype=None, keep_quantized: bool = True, matmul: str = "deq
     names = set(tensors.where)
     layout = _layout(names)
     config, skipped, note = _mtp_plan(config, names, layout, mtp)
-    abstract = abstract_params(config, dtype)
-    expected = expected_tensors(config, abstract, layout)
+    expected = expected_tensors(config, abstract_params(config, dtype), layout)
+    abstract = unstack_layers(config, abstract_params(config, dtype))  # layer by layer, as the files name them
     block = tuple(config.quantization.weight_block_size) if config.quantization else FP8_BLOCK
     forms = _check_names(directory, tensors, expected, skipped, block, config)  # all headers before any data
     leaf_forms = {slot.path: forms[name] for name, slot in expected.items()}  # stacked experts share one
+    if keep_quantized:
+        _check_stackable(config, leaf_forms)
     buffers = {}
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         path = tuple(k.key for k in keypath)
@@ -275,6 +279,7 @@ def load_v4(path, *, dtype=None, keep_quantized: bool = True, matmul: str = "deq
     params = {}
     for path in list(buffers):
         _put(params, path, _on_host(buffers.pop(path)))
+    params = stack_layers(config, params)
     params = place(params, param_shardings(config, params, mesh)) if mesh is not None else jax.tree.map(
         jnp.asarray, params)
     kept = {form for form in leaf_forms.values() if form != "dense"} if keep_quantized else set()
@@ -284,6 +289,26 @@ def load_v4(path, *, dtype=None, keep_quantized: bool = True, matmul: str = "deq
         scale_fmt = model.config.quantization.scale_fmt if model.config.quantization else None
         model = dataclasses.replace(model, params=with_matmul(model.params, matmul, scale_fmt))
     return model
+
+
+def _check_stackable(config: V4Config, leaf_forms: dict):
+    """The layers the model stacks (one segment's repeats of a unit, transformer.segments) must hold
+    each weight in one form: CheckpointError naming the first layer whose form differs."""
+    for segment in segments(config):
+        size = len(segment.kinds)
+        for j in range(size):
+            first = f"layers_{segment.first + j}"
+            for r in range(1, segment.repeats):
+                layer = f"layers_{segment.first + r * size + j}"
+                for path, form in leaf_forms.items():
+                    if path[0] == layer and leaf_forms.get((first,) + path[1:]) != form:
+                        name = v4names.released_name(path, 0 if path[-1] in ("gate_proj", "up_proj", "down_proj")
+                                                     and "experts" in path else None)
+                        raise CheckpointError(
+                            f"tensor {name!r} is {form}, but layer {segment.first + j}'s is "
+                            f"{leaf_forms.get((first,) + path[1:])}: jaxmtp stacks layers {segment.first}.."
+                            f"{segment.layers[-1]} and keeps each weight of them in one form; load with "
+                            "keep_quantized=False to dequantize them all")
 
 
 def _mtp_plan(config: V4Config, names, layout: str, mtp: bool):
@@ -492,9 +517,11 @@ def save_v4(model: V4Model, path, *, layout: str = "deepseek", overwrite: bool =
     write_checkpoint(os.fspath(path), lambda directory: _write(directory, raw, entries, max_shard_bytes), overwrite)
 
 
-def _leaves(params):
+def _leaves(model: V4Model):
+    """(path, leaf) of the model's parameters layer by layer, as checkpoints name them
+    (transformer.unstack_layers: each layer's slice of a stacked parameter is a copy on its device)."""
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(
-            params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
+            unstack_layers(model.config, model.params), is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
         yield tuple(k.key for k in keypath), leaf
 
 
@@ -515,7 +542,7 @@ def _released_entries(model: V4Model):
     """[(name, nbytes, thunk giving the array)] in DeepSeek's released layout."""
     config, host, entries = model.config, _Host(), []
     e8m0 = config.quantization is not None and config.quantization.scale_fmt == "ue8m0"
-    for path, leaf in _leaves(model.params):
+    for path, leaf in _leaves(model):
         stacked = v4names.split_path(path)[2] in v4names.EXPERT_WEIGHTS
         for e in range(leaf.shape[0]) if stacked else (None,):
             name = v4names.released_name(path, e)
@@ -554,12 +581,12 @@ def _released_entries(model: V4Model):
 
 def _hf_entries(model: V4Model):
     """[(name, nbytes, thunk)] in transformers' layout: dense, gate and up joined, MTP in DeepSeek's names."""
-    dtype, params, entries = model.dtype, model.params, []
+    dtype, params, entries = model.dtype, unstack_layers(model.config, model.params), []
 
     def dense(leaf):
         return np.asarray(leaf.dequantize(dtype) if isinstance(leaf, QuantizedWeight) else leaf)
 
-    for path, leaf in _leaves(params):
+    for path, leaf in _leaves(model):
         part, _, rest = v4names.split_path(path)
         out_dtype = np.int64 if path[-1] == "tid2eid" else (dtype if isinstance(leaf, QuantizedWeight) else leaf.dtype)
         if part in ("mtp", "mtp_block"):
@@ -597,14 +624,14 @@ def _subtree(tree, path):
 def _saved_config(model: V4Model, layout: str) -> dict:
     """config.json as written: quantization_config and expert_dtype only for weights kept so."""
     config = model.config
-    leaves = [leaf for _, leaf in _leaves(model.params) if isinstance(leaf, QuantizedWeight)]
+    leaves = [leaf for _, leaf in _leaves(model) if isinstance(leaf, QuantizedWeight)]
     if layout == "hf" or not leaves:
         config = config.replace(quantization=None, expert_dtype=None)
     else:
         fp8 = [leaf for leaf in leaves if not is_fp4(leaf)]
         if fp8 and config.quantization is None:
             config = config.replace(quantization=QuantizationConfig(weight_block_size=tuple(fp8[0].block)))
-        experts = [leaf for path, leaf in _leaves(model.params)
+        experts = [leaf for path, leaf in _leaves(model)
                    if isinstance(leaf, QuantizedWeight) and v4names.split_path(path)[2] in v4names.EXPERT_WEIGHTS]
         config = config.replace(expert_dtype=("fp4" if is_fp4(experts[0]) else "fp8") if experts else None)
     raw = config.to_hf_config()

@@ -3,7 +3,6 @@ by position, a whole-sequence forward and greedy decoding; `init_v4`."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import warnings
@@ -42,20 +41,20 @@ class V4Model:
         """`jax.set_mesh(mesh)` for the model's mesh (the MoE layers read it); steps enter it."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def place_rows(self, tree):
-        """Arrays whose leading axis is the batch, split over the mesh's `data` axis; where it does
-        not divide the batch, replicated, with a ShardingWarning (every device then attends for
-        every row). Unchanged without a mesh."""
+    def place_rows(self, tree, axis: int = 0):
+        """Arrays whose axis `axis` is the batch (0; 1 for the main model's stacked caches), split
+        over the mesh's `data` axis; where it does not divide the batch, replicated, with a
+        ShardingWarning (every device then attends for every row). Unchanged without a mesh."""
         if self.mesh is None:
             return tree
         data = self.mesh.shape.get("data", 1)
 
         def put(leaf):
             leaf = jnp.asarray(leaf)
-            if leaf.ndim and leaf.shape[0] % data == 0:
-                return jax.device_put(leaf, batch_sharding(self.mesh, leaf.ndim))
-            if leaf.ndim:
-                warnings.warn(f"a batch of {leaf.shape[0]} rows is not divisible by data={data}: every device "
+            if leaf.ndim > axis and leaf.shape[axis] % data == 0:
+                return jax.device_put(leaf, rows_sharding(self.mesh, leaf.ndim, axis))
+            if leaf.ndim > axis:
+                warnings.warn(f"a batch of {leaf.shape[axis]} rows is not divisible by data={data}: every device "
                               "holds and attends for every row", ShardingWarning, stacklevel=3)
             return jax.device_put(leaf, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
@@ -67,7 +66,7 @@ class V4Model:
 
     def new_caches(self, batch: int, max_len: int, headroom: int = 1) -> tuple:
         """Empty caches for `batch` rows and positions below max_len (see transformer.new_caches)."""
-        return self.place_rows(new_caches(self.config, batch, max_len, headroom, self.dtype))
+        return self.place_rows(new_caches(self.config, batch, max_len, headroom, self.dtype), axis=1)
 
     def step(self, tokens, start, count, caches):
         """tokens [B, T] at positions start[b] + t, the first count[b] real -> (logits [B, T, V],
@@ -131,6 +130,13 @@ class V4Model:
             last = np.asarray(logits[:, 0])
             positions = positions + 1
         return out
+
+
+def rows_sharding(mesh, ndim: int, axis: int = 0):
+    """Axis `axis` (the batch) over `data`, the rest replicated."""
+    if axis == 0:
+        return batch_sharding(mesh, ndim)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * axis), "data"))
 
 
 @partial(jax.jit, static_argnums=(0, 1))
@@ -202,18 +208,11 @@ def parameter_counts(config: V4Config) -> dict[str, int]:
     """Parameters of the main model (`main`; the routed experts' share in `routed_experts`), of the
     MTP block (`mtp`), and those active per token in the main model (all but its routed experts,
     plus num_experts_per_tok of them per layer)."""
-    # A layer's parameters depend on its attention and routing kinds only: shapes of one layer of
-    # each kind, counted as often as the kind occurs (tracing all of V4-Pro's 61 layers takes seconds).
-    kinds = collections.Counter(zip(config.layer_types, config.mlp_layer_types))
-    distinct = list(kinds)  # in the order of their first layer
-    one_each = config.replace(num_hidden_layers=len(distinct), layer_types=tuple(a for a, _ in distinct),
-                              mlp_layer_types=tuple(m for _, m in distinct))
-    leaves = jax.tree_util.tree_flatten_with_path(abstract_params(one_each))[0]
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]
     counts = {"main": 0, "routed_experts": 0, "mtp": 0}
     for path, leaf in leaves:
         keys = [getattr(p, "key", None) for p in path]
-        layer = keys[0].removeprefix("layers_") if keys[0].startswith("layers_") else None
-        size = int(np.prod(leaf.shape)) * (kinds[distinct[int(layer)]] if layer is not None else 1)
+        size = int(np.prod(leaf.shape))
         counts["mtp" if keys[0] == "mtp" else "main"] += size
         if keys[0] != "mtp" and "experts" in keys:
             counts["routed_experts"] += size

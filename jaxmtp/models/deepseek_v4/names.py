@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxmtp.errors import CheckpointError
 from jaxmtp.models.deepseek_v4.config import V4Config
+from jaxmtp.models.deepseek_v4.transformer import stack_layers
 
 _RULES = [
     (r"model\.embed_tokens\.weight", "embed_tokens/weight"),
@@ -46,7 +47,8 @@ _JOINT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
 
 
 def params_from_hf(config: V4Config, state: dict[str, np.ndarray], dtype=np.float32) -> dict:
-    """transformers' state dict (name -> array) -> jaxmtp's nested parameter dict. Floating arrays are
+    """transformers' state dict (name -> array) -> jaxmtp's nested parameter dict (layers stacked in
+    segments, transformer.stack_layers). Floating arrays are
     cast to `dtype` except those kept in float32 (hyper-connections, sinks, position biases, the
     routing bias); the token -> experts table becomes int32. Unknown names raise CheckpointError."""
     params: dict = {}
@@ -66,7 +68,7 @@ def params_from_hf(config: V4Config, state: dict[str, np.ndarray], dtype=np.floa
                 break
         else:
             raise CheckpointError(f"{name}: not a DeepSeek-V4 tensor name jaxmtp knows")
-    return params
+    return stack_layers(config, params)
 
 
 _FLOAT32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias")
