@@ -6,6 +6,10 @@ to 3 drafts) against the memory JAX may hold on each device at its default setti
 
     XLA_FLAGS=--xla_force_host_platform_device_count=64 python benchmarks/plans_v4.py \
         [--only NAME,..] [--json benchmarks/results/plans_v4.json]
+
+With --depths, instead: a round's temporaries (k = 2, greedy, batch 8, 8K caches, `expert=8`) of
+V4-Flash cut to its first 5, 9, 17 and all 43 layers, which a loop over each segment's repeats keeps
+from growing with depth (benchmarks/results/plans_v4_depth.json).
 """
 
 import argparse
@@ -29,13 +33,17 @@ FITS = {
     "pro_v6e_x64": ("deepseek_v4_pro", (8, 1, 8), "v6e"),
 }
 K = 3  # auto's most drafts per round
+ROWS = 3  # batches of data x 1, 2 and 4 rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated names (default: all)")
     parser.add_argument("--json", help="write the figures, with their provenance, here")
+    parser.add_argument("--depths", action="store_true", help="a round's temporaries by depth instead")
     args = parser.parse_args()
+    if args.depths:
+        return depths(args.json)
     settings = AllocatorSettings()  # JAX's defaults, not this process's environment
     figures, raw = {}, {}
     for name in args.only.split(",") if args.only else list(FITS):
@@ -50,7 +58,7 @@ def main():
             print(f"{name}: batch {f['batch']}, cache {f['cache_len']}: {total_bytes(f) / 1e9:.2f} GB per device "
                   f"({f['largest_program']} largest; compiled in {f['compile_seconds']:.0f} s)", flush=True)
 
-        results = fit(config, data, expert, tensor, limit.bytes, K, jnp.bfloat16, "dequant", DEFAULT_PREFILL_CHUNK,
+        results = fit(config, data, expert, tensor, limit.bytes, K, jnp.bfloat16, "dequant", DEFAULT_PREFILL_CHUNK, ROWS,
                       progress=shown, loops=default_loops(config, K, "auto"), planner=plans)
         figures[name] = {"config": model, "mesh": {"data": data, "expert": expert, "tensor": tensor},
                          "devices": data * expert * tensor, "device": DEVICES[device].label,
@@ -67,6 +75,21 @@ def main():
         print(f"{name}: {len(results)} batches fit within {limit.describe()}", flush=True)
     if args.json:
         write(args.json, "plans_v4", figures, raw, repeats=1)
+
+
+def depths(json_path):
+    config = V4Config.from_hf_config(os.path.join(jaxmtp.CONFIGS, "deepseek_v4_flash.json"))
+    rows, raw = [], []
+    for layers in (5, 9, 17, config.num_hidden_layers):
+        cut = config.replace(num_hidden_layers=layers, layer_types=config.layer_types[:layers],
+                             mlp_layer_types=config.mlp_layer_types[:layers])
+        (r,) = plans(cut, 1, 8, 1, 8, 8192, 8192, loops=default_loops(cut, 2, "fixed", greedy=True))
+        rows.append({"layers": layers, "temp_bytes": r["program_temp_bytes"], "total_bytes": r["programs"],
+                     "parameter_bytes_per_device": r["parameter_bytes_per_device"]})
+        raw.append(r)
+        print(rows[-1], flush=True)
+    if json_path:
+        write(json_path, "plans_v4_depth", rows, raw, repeats=1)
 
 
 if __name__ == "__main__":

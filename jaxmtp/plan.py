@@ -378,7 +378,11 @@ def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: floa
     Three sizes fit a model of the per-device total, a + batch x (cache_len x x + y) (the
     caches grow with both, the prefill's and the decode loop's temporaries with the batch); each
     batch's predicted length, rounded down to CONTEXT_STEP, is then compiled to check it, and
-    shortened by the excess over the per-token cost until it fits. -> the `plan` result of the
+    shortened by the excess over the per-token cost until it fits. Where that cost cannot explain
+    the excess (DeepSeek-V4's compressed caches cost little per token, and the temporaries of
+    attending over a long one dominate), the search halves the ratio between the longest length
+    known to fit and the shortest known not to, until they are within FIT_RATIO of each other
+    (`_longest`). -> the `plan` result of the
     largest loop of each batch that fits, smallest batch first, with "loops": [{"loop",
     "total_bytes"}] of every loop. `progress` receives every compile's figures. `planner`: `plans`
     by default, or another with its arguments and figures (DeepSeek-V4's,
@@ -404,19 +408,48 @@ def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: floa
         batch = data << i
         room = (capacity - fixed) / batch - (per_row - short * per_token)
         length = min(int(room / per_token) // CONTEXT_STEP * CONTEXT_STEP, longest // CONTEXT_STEP * CONTEXT_STEP)
-        while length >= max(prefill_chunk, CONTEXT_STEP):
-            figures = measure(batch, length)
-            excess = total_bytes(figures) - capacity
-            if excess <= 0:
-                out.append(figures)
-                break
-            # Shorter by what the excess holds in cache tokens (the per-token cost is the caches'
-            # and predicts well; the batch's temporaries are what the model misjudges).
-            length = min(length - CONTEXT_STEP,
-                         int(length - excess / (batch * per_token)) // CONTEXT_STEP * CONTEXT_STEP)
-        else:
+        figures = _longest(lambda n, batch=batch: measure(batch, n), length, max(prefill_chunk, CONTEXT_STEP),
+                           capacity, batch * per_token)
+        if figures is None:
             break
+        out.append(figures)
     return out
+
+
+# fit's search stops once the longest length known to fit is within this ratio of the shortest
+# known not to.
+FIT_RATIO = 1.25
+
+
+def _longest(measure, length: int, floor: int, capacity: float, per_token: float) -> dict | None:
+    """The figures of the longest cache length (a multiple of CONTEXT_STEP, at least `floor`) that
+    `measure(length)` finds within `capacity`, starting at the predicted `length`: a length that
+    does not fit is shortened by what its excess holds at `per_token` bytes per cache token (the
+    caches' cost, which predicts the V3 family's well); where that would go below the floor, or
+    once some length fits, the next is the geometric mean of the longest that fits (or the floor)
+    and the shortest that does not, until they are within FIT_RATIO. None where the floor does not
+    fit."""
+    best, fits, fails = None, None, None
+    while length >= floor:
+        figures = measure(length)
+        excess = total_bytes(figures) - capacity
+        if excess <= 0:
+            best, fits = figures, length
+        else:
+            fails = length
+        if fails is None or (fits is not None and (fails <= FIT_RATIO * fits or fails - fits <= CONTEXT_STEP)):
+            return best
+        if fits is None:
+            guess = int(length - excess / per_token) // CONTEXT_STEP * CONTEXT_STEP
+            if guess >= floor:
+                length = min(length - CONTEXT_STEP, guess)
+                continue
+            if length == floor:
+                return None
+        low = floor if fits is None else fits
+        length = max(low if fits is None else low + CONTEXT_STEP,
+                     min(fails - CONTEXT_STEP, int(math.sqrt(low * fails)) // CONTEXT_STEP * CONTEXT_STEP))
+    return best
 
 
 def fit_report(results: list[dict], limit: MemoryLimit) -> str:

@@ -122,3 +122,31 @@ def test_plan_compiles_the_auto_loop_with_sampling_that_generate_runs():
     # A model without an MTP layer decodes plainly under auto: one loop.
     plain = config.replace(num_nextn_predict_layers=0)
     assert default_loops(plain, 0) == (Loop(0, False, SAMPLING),)
+
+
+@pytest.mark.parametrize("per_token, quadratic, longest", [
+    (1e4, 0.0, 300 * 1024),    # the caches' cost predicts the total (the V3 family): found by the per-token step
+    (10.0, 2e-3, 200 * 1024),  # compressed caches, temporaries growing faster (DeepSeek-V4): found by halving ratios
+    (10.0, 1.0, None),         # not even the shortest length fits
+])
+def test_the_fit_search_finds_the_longest_length_within_its_ratio(per_token, quadratic, longest):
+    """`fit`'s search for one batch, on a synthetic total per length (a fixed part, a per-token part
+    and a part growing with the square of the length, as attention's temporaries can): what it
+    returns fits, and the longest that fits is within FIT_RATIO (or one step) of it."""
+    from jaxmtp.plan import CONTEXT_STEP, FIT_RATIO, _longest
+
+    def total(n):
+        return 1e9 + per_token * n + quadratic * n * n
+
+    capacity = total(longest) if longest else 1e9
+
+    def measure(n):
+        return {"xla_argument_bytes": total(n), "xla_temp_bytes": 0, "xla_output_bytes": 0, "cache_len": n}
+
+    found = _longest(measure, 1024 * 1024, 2 * CONTEXT_STEP, capacity, per_token)
+    if longest is None:
+        assert found is None
+        return
+    n = found["cache_len"]
+    assert n % CONTEXT_STEP == 0 and total(n) <= capacity
+    assert longest <= max(FIT_RATIO * n, n + CONTEXT_STEP)

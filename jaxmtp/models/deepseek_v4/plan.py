@@ -94,8 +94,9 @@ def plans(config: V4Config, data: int, expert: int, tensor: int, batch: int, max
     headroom of the most drafts any loop takes), compiles a prefill chunk of `prefill_chunk`
     positions once and, for each loop, its round of the most drafts (auto's with its MTP repair),
     and returns each loop's figures (jaxmtp.plan.plan's keys) for the larger of its round and the
-    prefill, with "programs": each program's total bytes. prompt_len is recorded only: a prompt of
-    any length is prefilled by the same chunk program. `progress` receives each loop's figures."""
+    prefill, with "programs" and "program_temp_bytes": each program's total and temporary bytes.
+    prompt_len is recorded only: a prompt of any length is prefilled by the same chunk program.
+    `progress` receives each loop's figures."""
     mesh = make_mesh(data, expert, tensor, jax.devices()[:data * expert * tensor])
     headroom = max(loop.k for loop in loops) + 1
     params = kept_params(config, dtype, matmul)
@@ -133,6 +134,7 @@ def plans(config: V4Config, data: int, expert: int, tensor: int, batch: int, max
             out.append(dict(common, k=loop.k, auto=auto, loop=Loop(loop.k, auto, loop.mode).label,
                             compile_seconds=prefill["compile_seconds"] * (not out) + decode["compile_seconds"],
                             programs={p["program"]: total_bytes(p) for p in (prefill, decode)},
+                            program_temp_bytes={p["program"]: p["xla_temp_bytes"] for p in (prefill, decode)},
                             largest_program=largest["program"],
                             **{key: largest[key] for key in ("xla_argument_bytes", "xla_output_bytes",
                                                              "xla_temp_bytes", "largest_temporaries")}))
