@@ -303,6 +303,21 @@ def plans_v4_section() -> str:
             + "\n\n" + source(result, "plans_v4") + "\n")
 
 
+def plans_v4_depth_section() -> str:
+    result = load("plans_v4_depth")
+    if result is None:
+        return ""
+    rows = [[r["layers"], gb(r["parameter_bytes_per_device"]), gb(r["temp_bytes"]["run_round"]),
+             gb(r["temp_bytes"]["prefill_chunk"])] for r in result["figures"]]
+    return ("### DeepSeek-V4's temporaries by depth\n\n"
+            "A round (k = 2, greedy, batch 8, 8K-token caches) and a prefill chunk of V4-Flash cut to its first layers, "
+            "FP4 experts kept, on 8 emulated devices (`expert=8`; `benchmarks/plans_v4.py --depths`). Each segment's "
+            "repeated layers run in a loop, so one unit's dequantized experts are live at a time and the "
+            "temporaries do not grow with depth.\n\n"
+            + table(["layers", "params GB", "round temporaries GB", "prefill chunk temporaries GB"], rows)
+            + "\n\n" + source(result, "plans_v4_depth") + "\n")
+
+
 def device_plan_section() -> str:
     result = load("h200_plan_device")
     if result is None:
@@ -563,7 +578,7 @@ def page() -> str:
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
              auto_section(), decode_step_section(), serving_section(), engine_latency_section(), sparse_section(), family_section(),
              real_width_section(),
-             plans_section(), device_plan_section(), plans_v4_section(), cold_start_section()]
+             plans_section(), device_plan_section(), plans_v4_section(), plans_v4_depth_section(), cold_start_section()]
     return "\n".join(p for p in parts if p).rstrip() + "\n"
 
 

@@ -651,8 +651,8 @@ def _plan(args):
     if args.prompt_len and args.prompt_len > args.max_len:
         raise UsageError(f"--prompt-len {args.prompt_len}: longer than the cache (--max-len {args.max_len})")
     results = planner(config, **sizes, batch=args.batch, max_len=args.max_len,
-                    prompt_len=args.prompt_len or args.max_len // 2, loops=loops, matmul=args.matmul,
-                    prefill_chunk=args.prefill_chunk)
+                      prompt_len=args.prompt_len or args.max_len // 2, loops=loops, matmul=args.matmul,
+                      prefill_chunk=args.prefill_chunk)
     print(report(results, [memory_limit(device, settings) for device in DEVICES.values()]))
 
 

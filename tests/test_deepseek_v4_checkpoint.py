@@ -520,18 +520,20 @@ def _held(tree, device) -> int:
     return total
 
 
-def test_plan_counts_what_a_loaded_model_and_its_caches_hold_on_each_device(released, tmp_path, capsys):
+def test_plan_counts_what_a_loaded_model_and_its_caches_hold_on_each_device(released, tmp_path, capsys,
+                                                                            monkeypatch):
     """`jaxmtp plan` of a V4 config (abstract, kept FP8 and FP4 weights): its per-device parameter and
     cache bytes equal what a real load onto the mesh and real caches hold on a device, and XLA's
-    arguments of the compiled programs hold at least those; the CLI prints the report."""
+    arguments of the compiled programs hold at least those; the CLI routes a V4 config to this
+    planner and prints its report."""
     from jaxmtp.cli import main
-    from jaxmtp.models.deepseek_v4.plan import plans
+    from jaxmtp.models.deepseek_v4 import plan as v4plan
     from jaxmtp.plan import default_loops, total_bytes
 
     mesh = make_mesh(data=2, expert=2, tensor=2)
     model = load_v4(released[0], dtype="bfloat16", mesh=mesh)
-    results = plans(CONFIG, 2, 2, 2, batch=4, max_len=64, prompt_len=64, loops=default_loops(CONFIG, 2),
-                    prefill_chunk=16)
+    results = v4plan.plans(CONFIG, 2, 2, 2, batch=4, max_len=64, prompt_len=64,
+                           loops=default_loops(CONFIG, 2, "auto"), prefill_chunk=16)
     device = mesh.devices.flat[0]
     caches = (model.new_caches(4, 64, headroom=4), model.new_mtp_cache(4, 64, headroom=4))
     for figures in results:
@@ -542,8 +544,13 @@ def test_plan_counts_what_a_loaded_model_and_its_caches_hold_on_each_device(rele
         assert max(figures["programs"].values()) == total_bytes(figures)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG.to_hf_config()))
+    asked = []
+    monkeypatch.setattr(v4plan, "plans", lambda *args, **kwargs: asked.append((args, kwargs)) or results)
     main(["plan", "--config", str(path), "--mesh", "data=2,expert=2,tensor=2", "--batch", "4", "--max-len", "64",
-          "--prefill-chunk", "16"])
+          "--prefill-chunk", "16", "--loop", "auto"])
+    (args, kwargs), = asked
+    assert isinstance(args[0], V4Config) and [kwargs[axis] for axis in ("data", "expert", "tensor")] == [2, 2, 2]
+    assert (kwargs["batch"], kwargs["max_len"], kwargs["prefill_chunk"]) == (4, 64, 16)
     out = capsys.readouterr().out
     assert "auto (k = 0..3 per round), sampling with top-k and top-p" in out and "largest temporaries" in out
     assert "caches per device (main + MTP)" in out and "H200 (141 GB)" in out

@@ -512,16 +512,17 @@ def save_v4(model: V4Model, path, *, layout: str = "deepseek", overwrite: bool =
     transformers lacks (and skips on load), follows in DeepSeek's names (`mtp.0.*`)."""
     if layout not in LAYOUTS:
         raise InputError(f"layout: expected one of {LAYOUTS}, found {layout!r}")
-    entries = _released_entries(model) if layout == "deepseek" else _hf_entries(model)
-    raw = _saved_config(model, layout)
+    # Layer by layer, as checkpoints name them: each layer's slice of a stacked parameter is a copy
+    # on its devices while the checkpoint is written.
+    layers = unstack_layers(model.config, model.params)
+    entries = _released_entries(model, layers) if layout == "deepseek" else _hf_entries(model, layers)
+    raw = _saved_config(model, layers, layout)
     write_checkpoint(os.fspath(path), lambda directory: _write(directory, raw, entries, max_shard_bytes), overwrite)
 
 
-def _leaves(model: V4Model):
-    """(path, leaf) of the model's parameters layer by layer, as checkpoints name them
-    (transformer.unstack_layers: each layer's slice of a stacked parameter is a copy on its device)."""
+def _leaves(params):
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(
-            unstack_layers(model.config, model.params), is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
+            params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
         yield tuple(k.key for k in keypath), leaf
 
 
@@ -538,11 +539,12 @@ class _Host:
         return self.value
 
 
-def _released_entries(model: V4Model):
-    """[(name, nbytes, thunk giving the array)] in DeepSeek's released layout."""
+def _released_entries(model: V4Model, layers: dict):
+    """[(name, nbytes, thunk giving the array)] in DeepSeek's released layout, of `layers` (the
+    model's parameters layer by layer, transformer.unstack_layers)."""
     config, host, entries = model.config, _Host(), []
     e8m0 = config.quantization is not None and config.quantization.scale_fmt == "ue8m0"
-    for path, leaf in _leaves(model):
+    for path, leaf in _leaves(layers):
         stacked = v4names.split_path(path)[2] in v4names.EXPERT_WEIGHTS
         for e in range(leaf.shape[0]) if stacked else (None,):
             name = v4names.released_name(path, e)
@@ -579,14 +581,15 @@ def _released_entries(model: V4Model):
     return entries
 
 
-def _hf_entries(model: V4Model):
-    """[(name, nbytes, thunk)] in transformers' layout: dense, gate and up joined, MTP in DeepSeek's names."""
-    dtype, params, entries = model.dtype, unstack_layers(model.config, model.params), []
+def _hf_entries(model: V4Model, params: dict):
+    """[(name, nbytes, thunk)] in transformers' layout: dense, gate and up joined, MTP in DeepSeek's
+    names, of `params` (the model's parameters layer by layer)."""
+    dtype, entries = model.dtype, []
 
     def dense(leaf):
         return np.asarray(leaf.dequantize(dtype) if isinstance(leaf, QuantizedWeight) else leaf)
 
-    for path, leaf in _leaves(model):
+    for path, leaf in _leaves(params):
         part, _, rest = v4names.split_path(path)
         out_dtype = np.int64 if path[-1] == "tid2eid" else (dtype if isinstance(leaf, QuantizedWeight) else leaf.dtype)
         if part in ("mtp", "mtp_block"):
@@ -621,17 +624,17 @@ def _subtree(tree, path):
     return tree
 
 
-def _saved_config(model: V4Model, layout: str) -> dict:
+def _saved_config(model: V4Model, layers: dict, layout: str) -> dict:
     """config.json as written: quantization_config and expert_dtype only for weights kept so."""
     config = model.config
-    leaves = [leaf for _, leaf in _leaves(model) if isinstance(leaf, QuantizedWeight)]
+    leaves = [leaf for _, leaf in _leaves(layers) if isinstance(leaf, QuantizedWeight)]
     if layout == "hf" or not leaves:
         config = config.replace(quantization=None, expert_dtype=None)
     else:
         fp8 = [leaf for leaf in leaves if not is_fp4(leaf)]
         if fp8 and config.quantization is None:
             config = config.replace(quantization=QuantizationConfig(weight_block_size=tuple(fp8[0].block)))
-        experts = [leaf for path, leaf in _leaves(model)
+        experts = [leaf for path, leaf in _leaves(layers)
                    if isinstance(leaf, QuantizedWeight) and v4names.split_path(path)[2] in v4names.EXPERT_WEIGHTS]
         config = config.replace(expert_dtype=("fp4" if is_fp4(experts[0]) else "fp8") if experts else None)
     raw = config.to_hf_config()
