@@ -33,7 +33,7 @@ FITS = {
     "pro_v6e_x64": ("deepseek_v4_pro", (8, 1, 8), "v6e"),
 }
 K = 3  # auto's most drafts per round
-ROWS = 3  # batches of data x 1, 2 and 4 rows
+ROWS = 2  # batches of data x 1 and 2 rows
 
 
 def main():

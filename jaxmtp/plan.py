@@ -392,7 +392,12 @@ def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: floa
 
     def measure(batch, length):
         results = planner(config, data, expert, tensor, batch, length, length, loops=loops, dtype=dtype, matmul=matmul,
-                        prefill_chunk=prefill_chunk, progress=progress)
+                          prefill_chunk=prefill_chunk, progress=progress)
+        # JAX's caches keep each compiled program (and its memory mappings: about 1,400 per DeepSeek-V4
+        # program on 8 devices) for the process's life; a long search reached the kernel's limit on
+        # mappings (vm.max_map_count, 65530 by default), where LLVM failed to allocate. The search
+        # drops them after each size.
+        jax.clear_caches()
         return dict(largest(results), loops=[{"loop": r["loop"], "total_bytes": total_bytes(r)} for r in results])
 
     longest = config.max_position_embeddings - max(loop.k for loop in loops) - 1
