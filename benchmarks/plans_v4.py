@@ -24,13 +24,16 @@ from jaxmtp.models.deepseek_v4.plan import plans
 from jaxmtp.plan import DEVICES, AllocatorSettings, default_loops, fit, memory_limit, total_bytes
 from jaxmtp.provenance import write
 
-# name: (config, mesh (data, expert, tensor), device). The routed experts split over data (and their
-# intermediate dim over tensor), attention rows over data, heads and the vocabulary over tensor.
+# name: (config, mesh (data, expert, tensor), device, prefill chunk). The routed experts split over
+# data (and their intermediate dim over tensor), attention rows over data, heads and the vocabulary
+# over tensor. The CPU expands a prefill chunk's grouped expert matmuls into dense products over
+# every local expert, which grows with the chunk and the local experts; at the default chunk (512)
+# nothing fitted these three meshes, so they prefill in chunks of 64.
 FITS = {
-    "flash_h200_x8": ("deepseek_v4_flash", (8, 1, 1), "h200"),
-    "flash_v6e_x16": ("deepseek_v4_flash", (4, 1, 4), "v6e"),
-    "pro_h200_x16": ("deepseek_v4_pro", (2, 1, 8), "h200"),
-    "pro_v6e_x64": ("deepseek_v4_pro", (8, 1, 8), "v6e"),
+    "flash_h200_x8": ("deepseek_v4_flash", (8, 1, 1), "h200", DEFAULT_PREFILL_CHUNK),
+    "flash_v6e_x16": ("deepseek_v4_flash", (4, 1, 4), "v6e", 64),
+    "pro_h200_x16": ("deepseek_v4_pro", (2, 1, 8), "h200", 64),
+    "pro_v6e_x64": ("deepseek_v4_pro", (8, 1, 8), "v6e", 64),
 }
 K = 3  # auto's most drafts per round
 ROWS = 2  # batches of data x 1 and 2 rows
@@ -47,7 +50,7 @@ def main():
     settings = AllocatorSettings()  # JAX's defaults, not this process's environment
     figures, raw = {}, {}
     for name in args.only.split(",") if args.only else list(FITS):
-        model, (data, expert, tensor), device = FITS[name]
+        model, (data, expert, tensor), device, chunk = FITS[name]
         config = V4Config.from_hf_config(os.path.join(jaxmtp.CONFIGS, model + ".json"))
         limit = memory_limit(DEVICES[device], settings)
 
@@ -58,11 +61,11 @@ def main():
             print(f"{name}: batch {f['batch']}, cache {f['cache_len']}: {total_bytes(f) / 1e9:.2f} GB per device "
                   f"({f['largest_program']} largest; compiled in {f['compile_seconds']:.0f} s)", flush=True)
 
-        results = fit(config, data, expert, tensor, limit.bytes, K, jnp.bfloat16, "dequant", DEFAULT_PREFILL_CHUNK, ROWS,
+        results = fit(config, data, expert, tensor, limit.bytes, K, jnp.bfloat16, "dequant", chunk, ROWS,
                       progress=shown, loops=default_loops(config, K, "auto"), planner=plans)
         figures[name] = {"config": model, "mesh": {"data": data, "expert": expert, "tensor": tensor},
                          "devices": data * expert * tensor, "device": DEVICES[device].label,
-                         "limit": limit.describe(), "limit_bytes": limit.bytes,
+                         "limit": limit.describe(), "limit_bytes": limit.bytes, "prefill_chunk": chunk,
                          "parameter_bytes_per_device": compiled[0]["parameter_bytes_per_device"],
                          "compiled": [{key: f[key] for key in ("batch", "cache_len", "xla_temp_bytes", "programs")}
                                       | {"total_bytes_per_device": total_bytes(f)} for f in compiled],

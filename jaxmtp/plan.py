@@ -386,7 +386,8 @@ def fit(config: ModelConfig, data: int, expert: int, tensor: int, capacity: floa
     largest loop of each batch that fits, smallest batch first, with "loops": [{"loop",
     "total_bytes"}] of every loop. `progress` receives every compile's figures. `planner`: `plans`
     by default, or another with its arguments and figures (DeepSeek-V4's,
-    jaxmtp.models.deepseek_v4.plan.plans)."""
+    jaxmtp.models.deepseek_v4.plan.plans). After each size it drops JAX's compiled programs
+    (jax.clear_caches), which would otherwise stay for the process's life."""
     loops = default_loops(config, k) if loops is None else tuple(loops)
     planner = plans if planner is None else planner
 
