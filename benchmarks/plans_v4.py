@@ -6,6 +6,8 @@ to 3 drafts) against the memory JAX may hold on each device at its default setti
 
     XLA_FLAGS=--xla_force_host_platform_device_count=64 python benchmarks/plans_v4.py \
         [--only NAME,..] [--json benchmarks/results/plans_v4.json]
+    XLA_FLAGS=--xla_force_host_platform_device_count=128 python benchmarks/plans_v4.py \
+        --only pro_v6e_x128 --json benchmarks/results/plans_v4_x128.json
 
 With --depths, instead: a round's temporaries (k = 2, greedy, batch 8, 8K caches, `expert=8`) of
 V4-Flash cut to its first 5, 9, 17 and all 43 layers, which a loop over each segment's repeats keeps
@@ -34,7 +36,10 @@ FITS = {
     "flash_v6e_x16": ("deepseek_v4_flash", (4, 1, 4), "v6e", 64),
     "pro_h200_x16": ("deepseek_v4_pro", (2, 1, 8), "h200", 64),
     "pro_v6e_x64": ("deepseek_v4_pro", (8, 1, 8), "v6e", 64),
+    # measured on its own (128 emulated devices): benchmarks/results/plans_v4_x128.json
+    "pro_v6e_x128": ("deepseek_v4_pro", (16, 1, 8), "v6e", 64),
 }
+DEFAULT = [name for name in FITS if not name.endswith("x128")]
 K = 3  # auto's most drafts per round
 ROWS = 2  # batches of data x 1 and 2 rows
 
@@ -49,7 +54,7 @@ def main():
         return depths(args.json)
     settings = AllocatorSettings()  # JAX's defaults, not this process's environment
     figures, raw = {}, {}
-    for name in args.only.split(",") if args.only else list(FITS):
+    for name in args.only.split(",") if args.only else DEFAULT:
         model, (data, expert, tensor), device, chunk = FITS[name]
         config = V4Config.from_hf_config(os.path.join(jaxmtp.CONFIGS, model + ".json"))
         limit = memory_limit(DEVICES[device], settings)
