@@ -278,28 +278,32 @@ def plans_v4_section() -> str:
     parts = []
     for name, f in result["figures"].items():
         mesh = ",".join(f"{axis}={size}" for axis, size in f["mesh"].items() if size > 1)
-        head = f"**{f['config']}, {f['devices']} x {f['device']}, `{mesh}`**, within {f['limit']}"
+        head = (f"**{f['config']}, {f['devices']} x {f['device']}, `{mesh}`**, prefilled in chunks of "
+                f"{f['prefill_chunk']}, within {f['limit']}")
         if not f["rows"]:
-            smallest = min(c["total_bytes_per_device"] for c in f["compiled"])
+            smallest = min(f["compiled"], key=lambda c: c["total_bytes_per_device"])
             parts.append(f"{head}: nothing fits. The parameters take {gb(f['parameter_bytes_per_device'])} GB of each "
-                         f"device's {gb(f['limit_bytes'])} GB; the smallest plan compiled held {gb(smallest)} GB.")
+                         f"device's {gb(f['limit_bytes'])} GB; the smallest plan compiled (batch {smallest['batch']}, "
+                         f"cache {smallest['cache_len']}) held {gb(smallest['programs']['prefill_chunk'])} GB in its "
+                         f"prefill chunk and {gb(smallest['programs']['run_round'])} GB in its round.")
             continue
         rows = [[r["batch"], r["cache_len"], gb(r["parameter_bytes_per_device"]), gb(r["cache_bytes_per_device"]),
                  gb(r["xla_temp_bytes"]), gb(r["total_bytes_per_device"]), r["largest_program"].replace("_", " ")]
                 for r in f["rows"]]
         parts.append(head + ":\n\n" + table(["batch", "cache tokens", "params GB", "caches GB", "temporaries GB",
                                                "total GB", "largest program"], rows))
-    first = next(iter(result["figures"].values()))
-    loop = (first["rows"] or [{"loop": "the auto loop", "prefill_chunk": "?"}])[0]
+    loop = next((f["rows"][0]["loop"] for f in result["figures"].values() if f["rows"]), "the auto loop")
     return ("## DeepSeek-V4 memory at scale (`jaxmtp plan --fit`)\n\n"
             "The longest cache (with a prompt as long, prefilled in chunks) that fits per batch, from XLA's memory "
             "analysis of AOT compiles for emulated devices (`benchmarks/plans_v4.py`): the prefill chunk program and "
-            f"the round of the most drafts that the loop may take ({loop['loop']}), whichever holds more; FP8 "
+            f"the round of the most drafts that the loop may take ({loop}), whichever holds more; FP8 "
             "linears and FP4 experts kept as a released checkpoint loads; JAX's default limits. These are XLA:CPU's "
             "figures: the CPU widens bfloat16 products to float32 and expands the prefill's grouped expert matmuls "
-            "(`ragged_dot`) into dense products over every local expert (the prefill's largest temporaries), where "
-            "a GPU's XLA runs them as grouped GEMMs, so a GPU should hold less. No V4 model has run on a GPU or a "
-            "TPU, and no published V4 checkpoint has been loaded.\n\n" + "\n\n".join(parts)
+            "(`ragged_dot`) into dense products over every local expert (the prefill's largest temporaries, growing "
+            "with the chunk, the batch and the local experts), where a GPU's XLA runs them as grouped GEMMs, so a "
+            "GPU should hold less; the meshes with more local experts per device prefill in smaller chunks for that "
+            "reason. No V4 model has run on a GPU or a TPU, and no published V4 checkpoint has been loaded.\n\n"
+            + "\n\n".join(parts)
             + "\n\n" + source(result, "plans_v4") + "\n")
 
 
