@@ -317,7 +317,8 @@ def plans_v4_depth_section() -> str:
             "A round (k = 2, greedy, batch 8, 8K-token caches) and a prefill chunk of V4-Flash cut to its first layers, "
             "FP4 experts kept, on 8 emulated devices (`expert=8`; `benchmarks/plans_v4.py --depths`). Each segment's "
             "repeated layers run in a loop, so one unit's dequantized experts are live at a time and the "
-            "temporaries do not grow with depth.\n\n"
+            "temporaries do not grow with depth; at 5 layers the (HCA, CSA) pair occurs once, and a segment of one "
+            "repeat is not a loop.\n\n"
             + table(["layers", "params GB", "round temporaries GB", "prefill chunk temporaries GB"], rows)
             + "\n\n" + source(result, "plans_v4_depth") + "\n")
 
