@@ -272,11 +272,29 @@ def plans_section() -> str:
 
 
 def plans_v4_section() -> str:
-    result = load("plans_v4")
-    if result is None:
+    results = [(name, load(name)) for name in ("plans_v4", "plans_v4_x128")]
+    results = [(name, result) for name, result in results if result is not None]
+    if not results:
         return ""
+    loop = next((f["rows"][0]["loop"] for _, result in results for f in result["figures"].values() if f["rows"]),
+                "the auto loop")
+    return ("## DeepSeek-V4 memory at scale (`jaxmtp plan --fit`)\n\n"
+            "The longest cache (with a prompt as long, prefilled in chunks) that fits per batch, from XLA's memory "
+            "analysis of AOT compiles for emulated devices (`benchmarks/plans_v4.py`): the prefill chunk program and "
+            f"the round of the most drafts that the loop may take ({loop}), whichever holds more; FP8 "
+            "linears and FP4 experts kept as a released checkpoint loads; JAX's default limits. These are XLA:CPU's "
+            "figures: the CPU widens bfloat16 products to float32 and expands the prefill's grouped expert matmuls "
+            "(`ragged_dot`) into dense products over every local expert (the prefill's largest temporaries, growing "
+            "with the chunk, the batch and the local experts), where a GPU's XLA runs them as grouped GEMMs, so a "
+            "GPU should hold less; the meshes with more local experts per device prefill in smaller chunks for that "
+            "reason. No V4 model has run on a GPU or a TPU, and no published V4 checkpoint has been loaded.\n\n"
+            + "\n\n".join(_v4_fits(result["figures"]) + "\n\n" + source(result, name) for name, result in results)
+            + "\n")
+
+
+def _v4_fits(figures: dict) -> str:
     parts = []
-    for name, f in result["figures"].items():
+    for name, f in figures.items():
         mesh = ",".join(f"{axis}={size}" for axis, size in f["mesh"].items() if size > 1)
         head = (f"**{f['config']}, {f['devices']} x {f['device']}, `{mesh}`**, prefilled in chunks of "
                 f"{f['prefill_chunk']}, within {f['limit']}")
@@ -292,19 +310,7 @@ def plans_v4_section() -> str:
                 for r in f["rows"]]
         parts.append(head + ":\n\n" + table(["batch", "cache tokens", "params GB", "caches GB", "temporaries GB",
                                                "total GB", "largest program"], rows))
-    loop = next((f["rows"][0]["loop"] for f in result["figures"].values() if f["rows"]), "the auto loop")
-    return ("## DeepSeek-V4 memory at scale (`jaxmtp plan --fit`)\n\n"
-            "The longest cache (with a prompt as long, prefilled in chunks) that fits per batch, from XLA's memory "
-            "analysis of AOT compiles for emulated devices (`benchmarks/plans_v4.py`): the prefill chunk program and "
-            f"the round of the most drafts that the loop may take ({loop}), whichever holds more; FP8 "
-            "linears and FP4 experts kept as a released checkpoint loads; JAX's default limits. These are XLA:CPU's "
-            "figures: the CPU widens bfloat16 products to float32 and expands the prefill's grouped expert matmuls "
-            "(`ragged_dot`) into dense products over every local expert (the prefill's largest temporaries, growing "
-            "with the chunk, the batch and the local experts), where a GPU's XLA runs them as grouped GEMMs, so a "
-            "GPU should hold less; the meshes with more local experts per device prefill in smaller chunks for that "
-            "reason. No V4 model has run on a GPU or a TPU, and no published V4 checkpoint has been loaded.\n\n"
-            + "\n\n".join(parts)
-            + "\n\n" + source(result, "plans_v4") + "\n")
+    return "\n\n".join(parts)
 
 
 def plans_v4_depth_section() -> str:
