@@ -195,6 +195,24 @@ def family_section() -> str:
             + "\n\n" + source(result, "family_step") + "\n")
 
 
+def v4_loop_section() -> str:
+    result = load("v4_loop")
+    if result is None:
+        return ""
+    rows = [[r["batch"], r["k"], f"{r['tokens_per_s_each_round']:.1f}", f"{r['tokens_per_s_loop']:.1f}",
+             f"{r['speedup']:.2f}x", "yes" if r["same_tokens"] else "no"] for r in result["figures"]]
+    first = result["figures"][0]
+    return ("## DeepSeek-V4: rounds in compiled loops\n\n`speculative.decode` runs V4's rounds in compiled loops "
+            f"of {first['loop_rounds']} rounds (`run_rounds`), against a host wait after every round "
+            "(`segment_rounds=1`), side by side in one run: greedy new tokens per second of `speculative.generate` "
+            f"({first['new_tokens']} new tokens after a 64-token prompt, its prefill included) on a tiny random V4 "
+            "with an MTP block (`benchmarks/v4_loop.py`). The random MTP block's drafts are rarely right, so k = 2 "
+            "costs more than it gains here; the table compares the two ways of running the same rounds.\n\n"
+            + table(["batch", "k", "a host wait every round (tokens/s)", "loops (tokens/s)", "loops / each round",
+                     "same tokens"], rows)
+            + "\n\n" + source(result, "v4_loop") + "\n")
+
+
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
@@ -587,7 +605,8 @@ def page() -> str:
              "from the measuring machine's own standard library, whose text differs between Python versions.\n",
              "## Speculative decoding on the demo model\n",
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
-             auto_section(), decode_step_section(), serving_section(), engine_latency_section(), sparse_section(), family_section(),
+             auto_section(), decode_step_section(), serving_section(), engine_latency_section(), sparse_section(),
+             family_section(), v4_loop_section(),
              real_width_section(),
              plans_section(), device_plan_section(), plans_v4_section(), plans_v4_depth_section(), cold_start_section()]
     return "\n".join(p for p in parts if p).rstrip() + "\n"

@@ -362,7 +362,7 @@ def generate(model: Model, prompts, config: GenerationConfig | None = None, *, t
         same distribution.
       tokenizer: decodes tokens for `stop` strings (anything with decode(ids) -> str).
     A row also stops at max_position_embeddings tokens in all. A DeepSeek-V4 model (`load_v4`)
-    decodes a jitted round at a time instead (jaxmtp.models.deepseek_v4.api), with the same fields.
+    decodes through its own compiled rounds instead (jaxmtp.models.deepseek_v4.api), with the same fields.
     """
     g = options(config, options_)
     if _v4(model):
@@ -435,13 +435,13 @@ def generate_stream(model: Model, prompt, config: GenerationConfig | None = None
 def _refuse_v4(model):
     """What only the V3 family's compiled loop does refuses a DeepSeek-V4 model, saying why."""
     if _v4(model):
-        raise InputError("model: a DeepSeek-V4 model decodes a round at a time (jaxmtp.generate, generate_stream); "
-                         "it has no compiled loop to prepare, warm up or time")
+        raise InputError("model: a DeepSeek-V4 model decodes through its own loop (jaxmtp.generate, generate_stream); "
+                         "prepare, warm_up and timed_generate run the V3 family's compiled loop only")
 
 
 def _v4(model) -> bool:
-    """Whether `model` is a DeepSeek-V4 model (jaxmtp.models.deepseek_v4.V4Model), which decodes a
-    round at a time (its module imported only then)."""
+    """Whether `model` is a DeepSeek-V4 model (jaxmtp.models.deepseek_v4.V4Model), which decodes
+    through its own loop (its module imported only then)."""
     if isinstance(model, Model):
         return False
     from jaxmtp.models.deepseek_v4.model import V4Model

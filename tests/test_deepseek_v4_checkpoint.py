@@ -472,7 +472,7 @@ def test_deepseek_v41_is_refused_by_name(released, tmp_path):
 
 def test_generate_cli_decodes_a_v4_checkpoint(loaded, tmp_path, capsys):
     """`jaxmtp generate --model` of a V4 checkpoint prints the tokens that speculative.generate gives
-    (it prints them from speculative.stream, a round at a time)."""
+    (it prints them from speculative.stream, round by round)."""
     from jaxmtp.cli import main
 
     kept, _ = loaded

@@ -1,5 +1,5 @@
 """`jaxmtp.generate` and `jaxmtp.generate_stream` for a DeepSeek-V4 model: a `GenerationConfig`'s
-fields on `speculative.decode` (one jitted round at a time), with `GenerationStats` counted from its
+fields on `speculative.decode` (its rounds in compiled loops), with `GenerationStats` counted from its
 rounds. speculative_k="auto" chooses among k = 0..auto_max_k from `speculative.round_costs`, kept on
 disk like the V3 loop's calibration."""
 
@@ -68,7 +68,8 @@ def generate(model: V4Model, prompts, g: GenerationConfig, tokenizer) -> Generat
 
 
 class V4TokenStream(TokenStream):
-    """`jaxmtp.generate_stream` of a V4 model: yields one prompt's tokens a round at a time; then
+    """`jaxmtp.generate_stream` of a V4 model: yields one prompt's tokens round by round (a loop's
+    rounds reach the host together, see speculative.decode); then
     `output` and `stats` hold the whole run's, and `text()` its decoded text."""
 
     def __init__(self, model: V4Model, prompt, g: GenerationConfig, tokenizer):

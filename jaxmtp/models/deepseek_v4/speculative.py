@@ -1,4 +1,4 @@
-"""Speculative decoding on DeepSeek-V4 with its MTP block, one jitted round at a time.
+"""Speculative decoding on DeepSeek-V4 with its MTP block, its rounds in a compiled loop.
 
 A row's newest token t_n sits at position n, not yet fed to the model; its first draft d1 came from
 the MTP block's slot n - 1 (streams of position n - 1 and the token t_n), and that slot's output
@@ -11,6 +11,9 @@ streams are kept to draft further. A round of k:
    which also drafts the next round's d1.
 Caches are stored by position (jaxmtp.models.deepseek_v4.attention), so the rejected drafts'
 entries are rolled back by advancing n by a + 1 only. Plain decoding is the k = 0 round.
+`run_rounds` runs rounds at one k in a while loop on the device, which ends rows at their limits
+and stop sequences; the host reads a loop's rounds at once, so it waits on the device once a loop,
+not once a round (benchmarks/v4_loop.py).
 """
 
 from __future__ import annotations
@@ -26,13 +29,18 @@ import numpy as np
 
 from jaxmtp import calibration, checks
 from jaxmtp.adaptive import AcceptanceCounts, best_k
-from jaxmtp.decoding import AUTO_SEGMENT
+from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, _finish
 from jaxmtp.errors import InputError
 from jaxmtp.models.deepseek_v4.model import V4Model
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4
 from jaxmtp.quant import QuantizedWeight
 from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities, split
 from jaxmtp.speculative import verify_greedy, verify_sampled
+
+# Rounds per call of the compiled loop at a fixed k (auto's calls run AUTO_SEGMENT, the rounds
+# between its choices): one call's tokens reach the host, and a stream, together.
+SEGMENT_ROUNDS = 16
+STOP_TABLE = (4, 4)  # the smallest stop table (sequences, tokens), see stop_table
 
 
 @flax.struct.dataclass
@@ -163,6 +171,75 @@ def run_round(config, dtype, k: int, mode: SamplingMode, repair: bool, params, s
     return state, committed, logprobs, accepted
 
 
+@flax.struct.dataclass
+class Ends:
+    """What the compiled loop checks after each round, per row: seq [B, W], the row's tokens by
+    position (those from position n - count + 1 on are generated; t_n at n); count [B], tokens
+    generated; done [B]; limits [B], max new tokens; stops [N, L], stop sequences (EOS ids are
+    sequences of one), right-aligned after ANY, unused rows NEVER (as jaxmtp.decoding's Inputs)."""
+
+    seq: jax.Array
+    count: jax.Array
+    done: jax.Array
+    limits: jax.Array
+    stops: jax.Array
+
+
+@flax.struct.dataclass
+class Log:
+    """A loop's rounds, for the host: committed [R, B, k + 1] and logprobs [R, B, k + 1] as
+    run_round returns them, accepted [R, B]; ran []: the rounds that ran (the first `ran` of R)."""
+
+    committed: jax.Array
+    logprobs: jax.Array
+    accepted: jax.Array
+    ran: jax.Array
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnames=("state", "ends"))
+def run_rounds(config, dtype, k: int, mode: SamplingMode, repair: bool, length: int, params, sampling,
+               state: RoundState, ends: Ends, rounds):
+    """Up to `rounds` (traced, at most `length`) rounds of run_round in one compiled loop, which
+    stops early once every row is done: at its limit, or after a token that completes a stop
+    sequence (stop strings are the host's to find; their rows decode on until the loop ends).
+    Rows that are done keep decoding, as run_round's rows do; their tokens are not counted.
+    -> (state, ends, Log of the rounds)."""
+    b = state.n.shape[0]
+    log = Log(committed=jnp.zeros((length, b, k + 1), jnp.int32), logprobs=jnp.zeros((length, b, k + 1), jnp.float32),
+              accepted=jnp.zeros((length, b), jnp.int32), ran=jnp.int32(0))
+
+    def body(carry):
+        state, ends, log = carry
+        n = state.n
+        state, committed, logprobs, accepted = run_round(config, dtype, k, mode, repair, params, sampling, state)
+        seq = ends.seq.at[jnp.arange(b)[:, None], n[:, None] + 1 + jnp.arange(k + 1)].set(committed, mode="drop")
+        produced = jnp.where(ends.done, 0, accepted + 1)
+        kept, stopped = _finish(seq, n, ends.count, committed, produced, ends.limits, ends.stops)
+        ends = ends.replace(seq=seq, count=ends.count + kept, done=ends.done | stopped)
+        i = log.ran
+        log = Log(committed=log.committed.at[i].set(committed), logprobs=log.logprobs.at[i].set(logprobs),
+                  accepted=log.accepted.at[i].set(accepted), ran=i + 1)
+        return state, ends, log
+
+    def running(carry):
+        return (carry[2].ran < jnp.minimum(rounds, length)) & ~jnp.all(carry[1].done)
+
+    with jax.named_scope("rounds"):
+        return jax.lax.while_loop(running, body, (state, ends, log))
+
+
+def stop_table(sequences: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """Stop sequences as the loop's table [N, L], N and L powers of two (at least STOP_TABLE), so
+    that calls with a few short sequences share one compiled loop."""
+    rows = max(STOP_TABLE[0], 1 << max(len(sequences) - 1, 0).bit_length())
+    width = max(STOP_TABLE[1], 1 << max(max(map(len, sequences), default=1) - 1, 0).bit_length())
+    table = np.full((rows, width), NEVER, np.int32)
+    for row, s in zip(table, sequences):
+        row[:] = ANY
+        row[width - len(s):] = s
+    return table
+
+
 @dataclasses.dataclass(frozen=True)
 class Output:
     """tokens: the new tokens of each prompt; logprobs: their log-probabilities under the
@@ -198,7 +275,7 @@ def stream(model: V4Model, prompt, max_new_tokens: int, k: int | str = 0, **opti
 def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int = 0, k_max: int = 3, costs=None,
            cache_len: int | None = None, headroom: int | None = None, prefill_chunk: int | None = None,
-           eos_token_id=None, stop_token_ids=(), stop=(), tokenizer=None):
+           eos_token_id=None, stop_token_ids=(), stop=(), tokenizer=None, segment_rounds: int = SEGMENT_ROUNDS):
     """Decodes each prompt with k drafts per round (0: plain; "auto": chosen every AUTO_SEGMENT
     rounds in 0..k_max from `costs` [k_max + 1], a round's cost in plain rounds, and the acceptance
     so far, as jaxmtp.adaptive does), greedily at temperature 0, else sampling from the
@@ -208,7 +285,8 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
     with decode(ids) -> str); that token is kept, as jaxmtp.generate keeps it. Prompts are
     prefilled in chunks of `prefill_chunk` positions (default: one pass). cache_len (positions) and
     headroom (at least the most drafts + 1) size the caches; by default as this call needs, and
-    calls with equal sizes share their compiled programs.
+    calls with equal sizes share their compiled programs. The rounds run in compiled loops
+    (run_rounds) of segment_rounds rounds at a fixed k, AUTO_SEGMENT with auto.
     Yields, after the prefill and after each round: (each row's new tokens, their
     log-probabilities, the round's k or None for the prefill, its accepted drafts [B] or None)."""
     prompts = checks.prompts(prompts, model.config.vocab_size)
@@ -220,6 +298,7 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
             raise InputError(f"costs: auto needs a round's cost at k = 0..{k_max} (round_costs), found {costs!r}")
     else:
         checks.whole("k", k, minimum=0)
+    checks.whole("segment_rounds", segment_rounds, minimum=1)
     most = k_max if auto else k
     if most and not model.config.has_mtp:
         raise InputError("k: this model has no MTP block to draft with (num_nextn_predict_layers = 0)"
@@ -244,27 +323,40 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
     got = [[int(t)] for t in np.asarray(state.token)]
     done = [max_new_tokens == 1 or ends(row) for row in got]
     yield [[int(t)] for t in np.asarray(state.token)], [[float(x)] for x in np.asarray(logprob)], None, None
+    seq = np.zeros((b, max_len + headroom + 1), np.int32)
+    seq[np.arange(b), lengths] = [row[0] for row in got]
+    with model.mesh_context():
+        loop = Ends(*model.place_rows((seq, np.ones(b, np.int32), np.array(done), np.full(b, max_new_tokens, np.int32))),
+                    stops=jnp.asarray(stop_table(tuple(map(tuple, ends.sequences)))))
     rounds, counts, chosen = 0, AcceptanceCounts.zeros(max(most, 1)), most
+    length = AUTO_SEGMENT if auto else segment_rounds
     while not all(done):
-        if auto and rounds % AUTO_SEGMENT == 0:
+        if auto:  # rounds is a multiple of AUTO_SEGMENT here: each loop but the last runs that many
             chosen = min(int(best_k(counts, jnp.asarray(costs, jnp.float32))), chosen + 1 if rounds else 1)
+        # Every live round adds a token to each live row, so a row is at its limit after
+        # max_new_tokens - 1 rounds: no more run, and the caches are sized for that (`sizes`).
         with model.mesh_context():
-            state, committed, logprobs, accepted = run_round(c, dtype, chosen, mode, auto and not chosen,
-                                                             model.params, sampling, state)
-        committed, logprobs, accepted = np.asarray(committed), np.asarray(logprobs), np.asarray(accepted)
-        live = np.array([not d for d in done])
-        rounds += 1
-        counts = counts.update(chosen, jnp.asarray(accepted), jnp.asarray(live))
-        new, new_logprobs = [[] for _ in range(b)], [[] for _ in range(b)]
-        for i in np.flatnonzero(live):
-            for t, lp in zip(committed[i, :accepted[i] + 1], logprobs[i]):
-                new[i].append(int(t))
-                new_logprobs[i].append(float(lp))
-                got[i].append(int(t))
-                if len(got[i]) >= max_new_tokens or ends(got[i]):
-                    done[i] = True
-                    break
-        yield new, new_logprobs, chosen, accepted
+            loop = loop.replace(done=model.place_rows(jnp.asarray(done)))
+            state, loop, log = run_rounds(c, dtype, chosen, mode, auto and not chosen, length, model.params, sampling,
+                                          state, loop, min(length, max_new_tokens - 1 - rounds))
+        log = jax.device_get(log)
+        for committed, logprobs, accepted in zip(log.committed[:log.ran], log.logprobs[:log.ran],
+                                                 log.accepted[:log.ran]):
+            if all(done):  # stop strings the loop does not see ended the last rows
+                break
+            live = np.array([not d for d in done])
+            rounds += 1
+            counts = counts.update(chosen, jnp.asarray(accepted), jnp.asarray(live))
+            new, new_logprobs = [[] for _ in range(b)], [[] for _ in range(b)]
+            for i in np.flatnonzero(live):
+                for t, lp in zip(committed[i, :accepted[i] + 1], logprobs[i]):
+                    new[i].append(int(t))
+                    new_logprobs[i].append(float(lp))
+                    got[i].append(int(t))
+                    if len(got[i]) >= max_new_tokens or ends(got[i]):
+                        done[i] = True
+                        break
+            yield new, new_logprobs, chosen, accepted
 
 
 def sizes(longest: int, max_new_tokens: int, most: int, chunk: int | None = None) -> tuple[int, int]:
@@ -295,14 +387,14 @@ def round_costs(model: V4Model, batch: int, cache_len: int, k_max: int, headroom
     rounds, for `batch` rows of caches of cache_len positions (and `headroom`, default k_max + 1):
     the figures jaxmtp.calibration keeps on disk for this model (config, dtype, how its kept weights
     multiply, its mesh), device and shape, else measured now (`calibration.measure`: each k between
-    plain rounds, the median of its repeats) and kept. Each round is timed from one prefilled state
-    to its result on the host, as `decode` runs them."""
+    plain rounds, the median of its repeats) and kept. Rounds are timed in run_rounds' loops of
+    AUTO_SEGMENT, as `decode` runs auto's, each measurement from a copy of one prefilled state."""
     headroom = k_max + 1 if headroom is None else headroom
     mode, c, dtype = SamplingMode(), model.config, model.dtype
     matmuls = sorted({w.matmul for w in jax.tree.leaves(model.params, is_leaf=lambda v: isinstance(v, QuantizedWeight))
                       if isinstance(w, QuantizedWeight)})
     where = dict(model.mesh.shape) if model.mesh is not None else "one device"
-    layout = f"deepseek_v4|headroom {headroom}|matmul {matmuls}|mesh {where}"
+    layout = f"deepseek_v4 loop|headroom {headroom}|matmul {matmuls}|mesh {where}"
     key = calibration.key(dataclasses.asdict(c), dtype, layout, mode, batch, 8, cache_len, k_max)
     known = calibration.stored(key, k_max)
     if known is not None:
@@ -313,10 +405,19 @@ def round_costs(model: V4Model, batch: int, cache_len: int, k_max: int, headroom
                     model.new_mtp_cache(batch, cache_len, headroom))[0]
 
     def seconds(k: int, repair: bool) -> float:
+        rows = (np.zeros((batch, cache_len + headroom + 1), np.int32), np.ones(batch, np.int32), np.zeros(batch, bool),
+                np.full(batch, cache_len, np.int32))
+        calls = max(calibration.ROUNDS // AUTO_SEGMENT, 1)
+        with model.mesh_context():
+            loop = (jax.tree.map(jnp.copy, state),  # the loop takes its state (donated)
+                    Ends(*model.place_rows(rows), stops=jnp.asarray(stop_table(()))))
+        jax.block_until_ready(loop)
         began = time.perf_counter()
         with model.mesh_context():
-            for _ in range(calibration.ROUNDS):
-                np.asarray(run_round(c, dtype, k, mode, repair, model.params, sampling, state)[1])
-        return (time.perf_counter() - began) / calibration.ROUNDS
+            for _ in range(calls):
+                *loop, log = run_rounds(c, dtype, k, mode, repair, AUTO_SEGMENT, model.params, sampling, *loop,
+                                        AUTO_SEGMENT)
+                np.asarray(log.ran)
+        return (time.perf_counter() - began) / (calls * AUTO_SEGMENT)
 
     return calibration.measured(key, lambda: seconds(0, False), lambda k: seconds(k, k == 0), k_max)
