@@ -450,11 +450,9 @@ def _generate(args):
 
 def _load_v4(args):
     """A DeepSeek-V4 checkpoint for `generate` (jaxmtp.models.deepseek_v4.load_v4): FP8 and FP4
-    weights kept, on one device or --mesh."""
+    weights kept, on one device or --mesh (over every process's devices with --distributed)."""
     from jaxmtp.models.deepseek_v4 import load_v4
 
-    if args.distributed:
-        raise UsageError("--distributed: not available for DeepSeek-V4 checkpoints yet (docs/deepseek_v4.md)")
     with _reading("--model", args.model):
         return load_v4(args.model, matmul=args.matmul or "dequant", mesh=_device_mesh(args.mesh))
 

@@ -101,3 +101,8 @@ def byte_tokenizer(path, text: str = "def fibonacci(n):\n    return n if n < 2 e
     tokenizer.train_from_iterator([text] * 4, trainer)
     tokenizer.save(str(path))
     return tokenizer
+
+# DeepSeek-V4 on two processes (tests/multiprocess_v4_worker.py): four ragged prompts, a batch that
+# the mesh's data axis of 2 splits, some past the test model's sliding window and compression blocks.
+V4_MESH_PROMPTS = [[5, 17, 3, 9, 12, 60, 2, 8, 33, 1, 7, 19, 4, 25], [7], [11, 12, 13, 14, 15, 16], [100, 20, 3]]
+V4_MESH_TOKENS = 10

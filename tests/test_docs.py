@@ -51,7 +51,9 @@ RUNNABLE = [page for page in PAGES if _python_blocks(page)]
 # JAXMTP_LONG_TESTS=1 (page -> the tests that run them).
 LONG_PAGES = {"training.md": "tests/test_train.py runs its training and MTP-only fine-tuning",
               "deepseek_v4.md": "tests/test_deepseek_v4.py runs its generate, sampling and stream calls",
-              "serving.md": "tests/test_engine.py runs its Engine calls"}
+              "serving.md": "tests/test_engine.py runs its Engine calls",
+              "speculative_decoding.md": "tests/test_generate.py and tests/test_streaming.py make its generate "
+                                         "(k, auto, sampling, stops, GenerationConfig) and stream calls on test models"}
 
 
 @pytest.fixture(scope="session")

@@ -65,6 +65,24 @@ def test_two_processes_generate_at_k2_like_one(tmp_path):
     assert first["2"] == second["2"] == jaxmtp.generate(single, PROMPTS, max_new_tokens=10, speculative_k=2).tokens
 
 
+def test_two_processes_generate_v4_like_one(tmp_path):
+    """A DeepSeek-V4 checkpoint loaded onto the mesh the two processes form (load_v4) decodes at
+    k = 2 the tokens that one process decodes plainly on one device."""
+    from jaxmtp.models.deepseek_v4 import CSA, HCA, V4Config, init_v4
+    from jaxmtp.models.deepseek_v4.checkpoint import save_v4
+
+    config = V4Config(vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+                      num_attention_heads=2, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2,
+                      layer_types=(CSA, HCA, HCA), mlp_layer_types=("hash_moe", "moe", "moe"), head_dim=32,
+                      qk_rope_head_dim=8, sliding_window=8, compress_rates=(4, 8), o_groups=2, o_lora_rank=16,
+                      index_n_heads=4, index_head_dim=16, index_topk=2, hc_mult=2, initializer_range=0.1)
+    single = init_v4(config, seed=2)
+    save_v4(single, tmp_path / "v4")
+    first, second = _run_workers(str(tmp_path / "v4"), str(tmp_path), "multiprocess_v4_worker.py")
+    want = jaxmtp.generate(single, gm.V4_MESH_PROMPTS, max_new_tokens=gm.V4_MESH_TOKENS).tokens
+    assert first["2"] == second["2"] == want
+
+
 @pytest.mark.skipif(not os.environ.get("JAXMTP_LONG_TESTS"), reason="two processes compiling four loops each take "
                     "about two and a half CPU-minutes; set JAXMTP_LONG_TESTS=1 to run it")
 def test_two_processes_generate_like_one(tmp_path):

@@ -75,10 +75,14 @@ def test_stop_strings_end_at_the_token_that_completes_them():
     out = jaxmtp.generate(model, [PROMPT, [9, 10]], max_new_tokens=NEW, speculative_k=2, stop=[stop],
                           tokenizer=Letters)
     assert out.tokens == expected and len(expected[0]) <= 15
-    stream, chunks = _streamed(model, PROMPT, max_new_tokens=NEW, stop=[stop], tokenizer=Letters)
-    assert sum(chunks, []) == expected[0]
     text = Letters.decode(expected[0])
+    stream, shown = generate_stream(model, PROMPT, max_new_tokens=NEW, stop=[stop], tokenizer=Letters), []
+    chunks = [chunk for chunk in stream if not shown.append(stream.text(final=False))]
+    assert sum(chunks, []) == expected[0]
     assert stream.text() == text[:text.index(stop)]
+    # text(final=False) while it streams: what can no longer change, so each is a start of the final
+    # text (a stop string's first letters are held back until ruled out or completed)
+    assert all(stream.text().startswith(part) for part in shown) and shown[-1] == stream.text()
     with pytest.raises(ValueError, match="tokenizer"):
         jaxmtp.generate(model, [PROMPT], stop=["a"])
     with pytest.raises(ValueError, match="tokenizer"):

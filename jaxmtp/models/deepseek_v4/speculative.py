@@ -31,6 +31,7 @@ from jaxmtp import calibration, checks
 from jaxmtp.adaptive import AcceptanceCounts, best_k
 from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, _finish
 from jaxmtp.errors import InputError
+from jaxmtp.generation import _fetch
 from jaxmtp.models.deepseek_v4.model import V4Model
 from jaxmtp.models.deepseek_v4.transformer import DeepseekV4
 from jaxmtp.quant import QuantizedWeight
@@ -320,9 +321,10 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
     c, dtype = model.config, model.dtype
     state, logprob = prefill(model, mode, sampling, jax.random.key(seed), prompt, lengths,
                              model.new_caches(b, max_len, headroom), model.new_mtp_cache(b, max_len, headroom), chunk)
-    got = [[int(t)] for t in np.asarray(state.token)]
+    first, logprob = _fetch((state.token, logprob))
+    got = [[int(t)] for t in first]
     done = [max_new_tokens == 1 or ends(row) for row in got]
-    yield [[int(t)] for t in np.asarray(state.token)], [[float(x)] for x in np.asarray(logprob)], None, None
+    yield [[int(t)] for t in first], [[float(x)] for x in logprob], None, None
     seq = np.zeros((b, max_len + headroom + 1), np.int32)
     seq[np.arange(b), lengths] = [row[0] for row in got]
     with model.mesh_context():
@@ -339,7 +341,7 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
             loop = loop.replace(done=model.place_rows(jnp.asarray(done)))
             state, loop, log = run_rounds(c, dtype, chosen, mode, auto and not chosen, length, model.params, sampling,
                                           state, loop, min(length, max_new_tokens - 1 - rounds))
-        log = jax.device_get(log)
+        log = _fetch(log)
         for committed, logprobs, accepted in zip(log.committed[:log.ran], log.logprobs[:log.ran],
                                                  log.accepted[:log.ran]):
             if all(done):  # stop strings the loop does not see ended the last rows
@@ -417,7 +419,7 @@ def round_costs(model: V4Model, batch: int, cache_len: int, k_max: int, headroom
             for _ in range(calls):
                 *loop, log = run_rounds(c, dtype, k, mode, repair, AUTO_SEGMENT, model.params, sampling, *loop,
                                         AUTO_SEGMENT)
-                np.asarray(log.ran)
+                jax.block_until_ready(log)
         return (time.perf_counter() - began) / (calls * AUTO_SEGMENT)
 
     return calibration.measured(key, lambda: seconds(0, False), lambda k: seconds(k, k == 0), k_max)
