@@ -193,6 +193,7 @@ def _prompt_ids(text: str) -> list[list[int]]:
                                          f'by ";", found {text!r}') from None
 
 
+PREFIX_BLOCKS = 64  # `serve --prefix-blocks` of a V3-family checkpoint
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
@@ -430,7 +431,7 @@ def _generate(args):
     tokenizer, prompts = _text_inputs(args) if os.path.isdir(args.model) else (None, None)
     v4 = os.path.isdir(args.model) and _is_v4(args.model, "--model")
     if v4:
-        model = _load_v4(args)
+        model = _load_v4(args.model, mesh=args.mesh, matmul=args.matmul)
     else:
         model = _load(args.model, mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet, matmul=args.matmul)
     config = _generation_config(args, model)
@@ -448,13 +449,13 @@ def _generate(args):
         _report(stream.output, config, run_s, first_s, compile_s)
 
 
-def _load_v4(args):
-    """A DeepSeek-V4 checkpoint for `generate` (jaxmtp.models.deepseek_v4.load_v4): FP8 and FP4
-    weights kept, on one device or --mesh (over every process's devices with --distributed)."""
+def _load_v4(path: str, *, mesh, matmul, flag: str = "--model"):
+    """A DeepSeek-V4 checkpoint for `generate` and `serve` (jaxmtp.models.deepseek_v4.load_v4): FP8
+    and FP4 weights kept, on one device or --mesh (over every process's devices with --distributed)."""
     from jaxmtp.models.deepseek_v4 import load_v4
 
-    with _reading("--model", args.model):
-        return load_v4(args.model, matmul=args.matmul or "dequant", mesh=_device_mesh(args.mesh))
+    with _reading(flag, path):
+        return load_v4(path, matmul=matmul or "dequant", mesh=_device_mesh(mesh))
 
 
 def _text_inputs(args):
@@ -550,8 +551,16 @@ def _serve(args):
         sock = bind(args.host, args.port) if leader else None
     except OSError as e:
         raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror})") from None
-    model = _load(model_dir, flag="MODEL", mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet,
-                  matmul=args.matmul)
+    v4 = os.path.isdir(model_dir) and _is_v4(model_dir, "MODEL")
+    prefix_blocks = args.prefix_blocks if args.prefix_blocks is not None else 0 if v4 else PREFIX_BLOCKS
+    if v4 and prefix_blocks:
+        raise UsageError(f"--prefix-blocks {prefix_blocks}: prefix reuse is not available for DeepSeek-V4 "
+                         "checkpoints yet; leave it out (no reuse) or give 0")
+    if v4:
+        model = _load_v4(model_dir, mesh=args.mesh, matmul=args.matmul, flag="MODEL")
+    else:
+        model = _load(model_dir, flag="MODEL", mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet,
+                      matmul=args.matmul)
     longest = model.config.max_position_embeddings
     if args.max_len is not None and args.max_len > longest:
         raise UsageError(f"--max-len {args.max_len}: longer than the model's max_position_embeddings ({longest})")
@@ -563,7 +572,7 @@ def _serve(args):
                         eos_token_id=model.config.eos_token_id if eos is None else eos, progress=progress,
                         slots=args.max_batch, max_len=args.max_len or min(longest, 4096),
                         speculative_k=args.speculative_k, max_queue=args.max_queue, buckets=args.buckets,
-                        prefill_chunk=args.prefill_chunk, prefix_blocks=args.prefix_blocks,
+                        prefill_chunk=args.prefill_chunk, prefix_blocks=prefix_blocks,
                         sampling=not args.greedy_only)
         engine.start()  # on a process other than 0: runs process 0's operations until it shuts down
     if not leader:
@@ -928,8 +937,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefill-chunk", type=_chunk, default=128,
                     help="prompt positions prefilled per step between decode segments (a multiple of 16), and the "
                          "prefix store's block")
-    sv.add_argument("--prefix-blocks", type=_non_negative, default=64,
-                    help="prompt chunks the prefix store keeps for reuse by later prompts that begin alike; 0 = none")
+    sv.add_argument("--prefix-blocks", type=_non_negative,
+                    help=f"prompt chunks the prefix store keeps for reuse by later prompts that begin alike; 0 = none; "
+                         f"default {PREFIX_BLOCKS}, and 0 for DeepSeek-V4 checkpoints, which have no prefix reuse yet")
     sv.add_argument("--greedy-only", action="store_true",
                     help="compile the greedy programs only (a shorter start); requests with temperature > 0 are "
                          "refused")

@@ -294,31 +294,44 @@ def test_jaxmtp_generate_and_generate_stream_take_a_v4_model(monkeypatch, tmp_pa
         jaxmtp.generation.warm_up(model, prompts)
 
 
+# One CSA layer with a small window and compression blocks, whose drafts are accepted about half
+# the time: sampling's accept and residual paths both run (also tests/test_engine_v4.py).
+SAMPLING = V4Config(vocab_size=8, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+                    num_attention_heads=2, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
+                    layer_types=(CSA,), mlp_layer_types=("hash_moe",), head_dim=16, qk_rope_head_dim=4,
+                    sliding_window=4, compress_rates=(2, 8), o_groups=2, o_lora_rank=8, index_n_heads=8,
+                    index_head_dim=8, index_topk=1, hc_mult=2, initializer_range=0.15)
+SAMPLING_PROMPT = [3, 1, 4, 1, 5]
+
+
+def first_tokens_distribution(model, prompt: list[int], new: int) -> np.ndarray:
+    """The model's distribution of its first `new` tokens after `prompt` at temperature 1 [V] * new,
+    from whole forward passes over every continuation of new - 1 tokens."""
+    import itertools
+
+    vocab, n = model.config.vocab_size, len(prompt)
+    heads = list(itertools.product(range(vocab), repeat=new - 1))
+    logits, _ = model.forward(np.array([prompt + list(head) for head in heads]))
+    probs = np.asarray(jax.nn.softmax(np.asarray(logits, np.float64), axis=-1))
+    out = np.zeros((vocab,) * new)
+    for row, head in enumerate(heads):
+        p = np.prod([probs[row, n - 1 + j, t] for j, t in enumerate(head)])
+        out[head] = p * probs[row, n + new - 2]
+    return out
+
+
 def test_speculative_sampling_at_k2_follows_the_model():
     """The first three tokens of 12,288 rows sampled with k = 2 against the model's distribution from
     whole forward passes over every continuation (chi-square); the rounds both accept and reject."""
-    import itertools
-
     from test_speculative_sampling import chi_square_p_value
 
-    vocab, prompt, samples = 8, [3, 1, 4, 1, 5], 12_288
-    config = V4Config(vocab_size=vocab, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=1,
-                      num_attention_heads=2, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
-                      layer_types=(CSA,), mlp_layer_types=("hash_moe",), head_dim=16, qk_rope_head_dim=4,
-                      sliding_window=4, compress_rates=(2, 8), o_groups=2, o_lora_rank=8, index_n_heads=8,
-                      index_head_dim=8, index_topk=1, hc_mult=2, initializer_range=0.15)
-    model = init_v4(config, seed=4)
+    vocab, prompt, samples = SAMPLING.vocab_size, SAMPLING_PROMPT, 12_288
+    model = init_v4(SAMPLING, seed=4)
     out = generate(model, [prompt] * samples, 3, 2, temperature=1.0, seed=17)
     tokens, rounds = out.tokens, out.rounds
     counts = np.zeros((vocab,) * 3)
     np.add.at(counts, tuple(np.array(tokens).T), 1)
-    pairs = np.array(list(itertools.product(range(vocab), repeat=2)))
-    logits, _ = model.forward(np.concatenate([np.tile(prompt, (len(pairs), 1)), pairs], axis=1))
-    probs = np.asarray(jax.nn.softmax(np.asarray(logits, np.float64), axis=-1))
-    n = len(prompt)
-    expected = np.zeros((vocab,) * 3)
-    for row, (a, b) in enumerate(pairs):
-        expected[a, b] = probs[0, n - 1, a] * probs[row, n, b] * probs[row, n + 1]
+    expected = first_tokens_distribution(model, prompt, 3)
     p_value = chi_square_p_value(counts.ravel(), expected.ravel() * samples)
     assert p_value > 1e-3, p_value
     rate = rounds[0][1].mean() / 2

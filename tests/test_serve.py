@@ -41,12 +41,12 @@ MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
 
 
 class Server:
-    """A `jaxmtp serve demo` subprocess on a free port; its stderr in a file."""
+    """A `jaxmtp serve MODEL` subprocess (the demo model by default) on a free port; its stderr in a file."""
 
-    def __init__(self, log: pathlib.Path, *flags: str):
-        self.log = log
+    def __init__(self, log: pathlib.Path, *flags: str, model: str = "demo"):
+        self.log, self.model = log, model
         with open(log, "w") as stderr:
-            command = [sys.executable, "-m", "jaxmtp.cli", "serve", "demo", "--port", "0", *flags]
+            command = [sys.executable, "-m", "jaxmtp.cli", "serve", model, "--port", "0", *flags]
             self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
         self.url = None
 
@@ -58,7 +58,7 @@ class Server:
     def _ready(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = re.search(r"serving demo at (http://\S+)", self.log.read_text())
+            found = re.search(rf"serving {re.escape(self.model)} at (http://\S+)", self.log.read_text())
             if found:
                 return found.group(1)
             assert self.process.poll() is None, f"the server exited:\n{self.tail()}"

@@ -42,7 +42,7 @@ from jaxmtp.decoding import ANY, AUTO_SEGMENT, NEVER, Static
 from jaxmtp.engine import device, programs
 from jaxmtp.engine.requests import Event, Handle, NotAdmitting, QueueFull, Request
 from jaxmtp.errors import InputError
-from jaxmtp.generation import MAX_SPECULATIVE_K, auto_max_k
+from jaxmtp.generation import MAX_SPECULATIVE_K, _v4, auto_max_k
 from jaxmtp.layout import prefix_lengths
 from jaxmtp.model import Model
 
@@ -263,8 +263,12 @@ class Engine:
                  config: EngineConfig | None = None, **options):
         config = dataclasses.replace(config or EngineConfig(), **options)
         self.config = _check_config(config, model)
+        v4 = _v4(model)
+        if v4 and self.config.prefix_blocks:
+            raise InputError("prefix_blocks: prefix reuse is not available for DeepSeek-V4 models yet (their "
+                             "compressed caches are not copied in blocks); use prefix_blocks=0")
         compile_cache.enable()
-        self.model = model.decoding()
+        self.model = model if v4 else model.decoding()
         self.tokenizer = tokenizer
         self.eos_token_ids = checks.eos_ids(eos_token_id, model.config.vocab_size)
         self._progress = progress or (lambda message: None)
@@ -274,11 +278,17 @@ class Engine:
         self.auto = k == "auto" and self.k_max > 0
         chunk = c.prefill_chunk
         cache_len = -(-(c.max_len + self.k_max + 1) // chunk) * chunk
-        self.static = Static(model.config, self.model.dtype, self.k_max, programs.MIXED, cache_len, self.model.layout,
-                             auto=True, logprobs=True, prefill_chunk=chunk)
+        if v4:
+            from jaxmtp.engine.v4 import V4Static
+
+            self.static = V4Static(model.config, self.model.dtype, self.k_max, cache_len)
+        else:
+            self.static = Static(model.config, self.model.dtype, self.k_max, programs.MIXED, cache_len,
+                                 self.model.layout, auto=True, logprobs=True, prefill_chunk=chunk)
         self.buckets = c.bucket_sizes()
         # The cache prefixes a round can attend over (see _attended).
-        self._prefixes = np.array(prefix_lengths(cache_len) if self.model.layout.prefix_attention else (cache_len,))
+        prefixed = not v4 and self.model.layout.prefix_attention
+        self._prefixes = np.array(prefix_lengths(cache_len) if prefixed else (cache_len,))
         # A prompt's last positions run in a chunk of a half or a quarter of prefill_chunk where
         # they fit one (multiples of 16), instead of a whole chunk of padding.
         self.chunk_sizes = tuple(size for size in (chunk // 4, chunk // 2, chunk) if size >= 16 and size % 16 == 0)
@@ -293,9 +303,15 @@ class Engine:
         self.cost_reach = np.zeros(0, np.int64)
         self._chooser = Chooser(max(self.k_max, 1), c.slots, c.hysteresis)
         self._prefix = PrefixStore(c.prefix_blocks, chunk) if c.prefix_blocks else None
-        self._device = device.Device(device.Settings(
-            static=self.static, params=self.model.params, slots=c.slots, chunk=chunk, window=self.window,
-            stops=(c.stop_sequences, c.stop_length), prefix_blocks=c.prefix_blocks))
+        settings = device.Settings(static=self.static, params=self.model.params, slots=c.slots, chunk=chunk,
+                                   window=self.window, stops=(c.stop_sequences, c.stop_length),
+                                   prefix_blocks=c.prefix_blocks)
+        if v4:
+            from jaxmtp.engine.v4 import V4Device
+
+            self._device = V4Device(settings, self.model)
+        else:
+            self._device = device.Device(settings)
         self._lock = threading.Condition()
         self._inbox: collections.deque[Handle] = collections.deque()
         self._waiting: collections.deque[Handle] = collections.deque()

@@ -1,0 +1,333 @@
+"""The serving engine's device side for DeepSeek-V4: the same operations as `device.Device` (a
+staging prefill, insertion into a slot, decode segments, calibration's occupancy), on V4's
+programs (jaxmtp.models.deepseek_v4.speculative), so that `Engine` batches V4 requests
+continuously as it does the V3 family's.
+
+The slots are the rows of one `RoundState` of `slots` rows (caches stored by position, one random
+key per row), with each row's tokens by position, its count of new tokens and its statistics
+(`Slots`), and per-row sampling values, stop table and token limit (`programs.SlotParams`). A
+request is prefilled in a batch-1 staging state (`Staged`) a chunk at a time; `insert` chooses its
+first token, runs the MTP block over the prompt's last positions (its first draft) and copies the
+row into its slot whole. A segment runs up to `rounds` rounds at one k on the first `bucket` rows;
+rows that are done keep their position. Auto's rounds at k = 0 repair the MTP cache, as
+`speculative.decode`'s do, so a slot's drafts are never stale: the engine's refill mask is not
+needed here. Prefix reuse is not available for V4 (its compressed caches are not copied in
+blocks); `Engine` refuses prefix_blocks > 0 for a V4 model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp.decoding import NEVER, _finish, _rows_at
+from jaxmtp.engine import programs
+from jaxmtp.engine.device import BEGIN, CHUNK, FRESH, INSERT, OCCUPY, SEGMENT, Device, _bits, _fetch
+from jaxmtp.models.deepseek_v4.speculative import RoundState, prefill_chunk, prefill_finish, run_round
+from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities, split
+from jaxmtp.sharding import context_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class V4Static:
+    """What V4's engine programs are specialised on: config, dtype, k (the most drafts a round
+    may make), cache_len (cache positions; headroom k + 1 past them)."""
+
+    config: object
+    dtype: object
+    k: int
+    cache_len: int
+
+
+@flax.struct.dataclass
+class Slots:
+    """The slots' rows. state: their RoundState; seq [S, W] and logprobs [S, W]: tokens by position
+    (prompt, then new tokens) and the new tokens' log-probabilities; first [S]: the position of a
+    row's first new token; count [S]: its new tokens; done [S]; rounds [S], accepted_at [S, k],
+    rounds_at [S, k + 1]: its rounds since insertion."""
+
+    state: RoundState
+    seq: jax.Array
+    logprobs: jax.Array
+    first: jax.Array
+    count: jax.Array
+    done: jax.Array
+    rounds: jax.Array
+    accepted_at: jax.Array
+    rounds_at: jax.Array
+
+
+@flax.struct.dataclass
+class Staged:
+    """A request being prefilled (batch 1): caches and mtp_cache (None without drafting); window
+    [1, S, N, D] and last [1, V] as speculative.prefill_chunk keeps them; prompt [1, W]; length,
+    limit [1]; stops [1, N, L]; sampling (one row); key [1]."""
+
+    caches: tuple
+    mtp_cache: object
+    window: jax.Array
+    last: jax.Array
+    prompt: jax.Array
+    length: jax.Array
+    limit: jax.Array
+    stops: jax.Array
+    sampling: SamplingParams
+    key: jax.Array
+
+
+def _rows(fn, *trees):
+    """fn(axis, *leaves) on every leaf of Slots (the main caches' rows are axis 1 of their
+    stacked [repeats, B, ...] leaves, every other leaf's axis 0)."""
+    first = trees[0]
+
+    def mapped(axis, *parts):
+        return jax.tree.map(lambda *leaves: fn(axis, *leaves), *parts)
+
+    state = first.state.replace(**{name: mapped(0, *(getattr(t.state, name) for t in trees))
+                                   for name in ("mtp_cache", "n", "token", "draft", "draft_probs", "recycled", "key")})
+    state = state.replace(caches=mapped(1, *(t.state.caches for t in trees)))
+    rest = {name: mapped(0, *(getattr(t, name) for t in trees))
+            for name in ("seq", "logprobs", "first", "count", "done", "rounds", "accepted_at", "rounds_at")}
+    return first.replace(state=state, **rest)
+
+
+def _index(axis: int, at):
+    return (slice(None),) * axis + (at,)
+
+
+def _finish_state(static: V4Static, params, staged: Staged):
+    """The staged request's first token and, with an MTP block and k > 0, its first draft:
+    -> (RoundState of one row, the token's log-probability [1])."""
+    mode, c = programs.MIXED, static.config
+    if static.k:
+        return prefill_finish(c, static.dtype, mode, params, staged.sampling, staged.key, staged.prompt, staged.length,
+                              staged.window, staged.last, staged.mtp_cache)
+    first_key, key = split(staged.key, 2)
+    token, _ = choose(first_key, staged.last, mode, staged.sampling)
+    logprob = jnp.take_along_axis(log_probabilities(staged.last, mode, staged.sampling), token[:, None], axis=-1)[:, 0]
+    return RoundState(caches=(), mtp_cache=None, n=staged.length, token=token, draft=jnp.zeros_like(token),
+                      draft_probs=None, recycled=None, key=key), logprob
+
+
+def empty_slots(static: V4Static, slots: int, mtp_cache, caches) -> Slots:
+    """Every slot free (done, at position 0), one key per row. caches, mtp_cache: the model's
+    empty caches for `slots` rows (V4Model.new_caches, new_mtp_cache; None without drafting)."""
+    c = static.config
+    zeros = lambda: jnp.zeros((slots,), jnp.int32)  # noqa: E731 (distinct buffers: the state is donated)
+    width = static.cache_len + static.k + 1
+    state = RoundState(caches=caches, mtp_cache=mtp_cache, n=zeros(), token=zeros(), draft=zeros(),
+                       draft_probs=jnp.zeros((slots, c.vocab_size)) if static.k else None,
+                       recycled=jnp.zeros((slots, 1, c.hc_mult, c.hidden_size), static.dtype) if static.k else None,
+                       key=jax.random.split(jax.random.key(0), slots))
+    return Slots(state=state, seq=jnp.zeros((slots, width), jnp.int32), logprobs=jnp.zeros((slots, width)),
+                 first=zeros(), count=zeros(), done=jnp.ones((slots,), bool), rounds=zeros(),
+                 accepted_at=jnp.zeros((slots, static.k), jnp.int32), rounds_at=jnp.zeros((slots, static.k + 1), jnp.int32))
+
+
+@partial(jax.jit, static_argnums=0, donate_argnames="staged")
+def stage_begin(static: V4Static, staged: Staged, prompt, length, limit, stops, sampling, key) -> Staged:
+    """A new request in the staging state, its caches emptied: prompt [1, W] (zeros after its length
+    [1]), limit [1], stops [1, N, L], sampling (one row), key [1]."""
+    return staged.replace(caches=jax.tree.map(jnp.zeros_like, staged.caches),
+                          mtp_cache=jax.tree.map(jnp.zeros_like, staged.mtp_cache), window=jnp.zeros_like(staged.window),
+                          last=jnp.zeros_like(staged.last), prompt=prompt, length=length, limit=limit, stops=stops,
+                          sampling=sampling, key=key)
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="staged")
+def stage_chunk(static: V4Static, chunk: int, params, staged: Staged, start) -> Staged:
+    """The prefill over staged prompt positions start..start + chunk - 1 (speculative.prefill_chunk)."""
+    context_mesh(params, "engine.v4.stage_chunk")
+    tokens = jax.lax.dynamic_slice_in_dim(staged.prompt, start, chunk, axis=1)
+    with jax.named_scope("stage_chunk"):
+        caches, window, last = prefill_chunk(static.config, static.dtype, params, tokens, start, staged.length,
+                                             staged.caches, staged.window, staged.last)
+    return staged.replace(caches=caches, window=window, last=last)
+
+
+@partial(jax.jit, static_argnums=0, donate_argnames="slots")
+def insert(static: V4Static, params, slots: Slots, slot_params: programs.SlotParams, staged: Staged, slot):
+    """The staged request into row `slot` (traced): its first token chosen, its first draft made (k > 0),
+    its caches and settings copied. -> (slots, slot_params, (first token [], its log-probability [],
+    done [] bool))."""
+    context_mesh(params, "engine.v4.insert")
+    state, logprob = _finish_state(static, params, staged)
+    zeros = jnp.zeros_like(staged.length)
+    first = staged.length
+    seq = staged.prompt.at[0, first[0]].set(state.token[0])
+    kept, done = _finish(seq, first - 1, zeros, state.token[:, None], jnp.ones_like(zeros), staged.limit, staged.stops)
+    row = Slots(state=state.replace(caches=staged.caches), seq=seq, logprobs=jnp.zeros(seq.shape).at[0, first[0]].set(logprob[0]), first=first, count=kept,
+                done=done, rounds=zeros, accepted_at=jnp.zeros((1, static.k), jnp.int32),
+                rounds_at=jnp.zeros((1, static.k + 1), jnp.int32))
+
+    def put(axis, full, one):
+        return full.at[_index(axis, slot)].set(jnp.take(one, 0, axis=axis).astype(full.dtype))
+
+    slots = _rows(put, slots, row)
+    slot_params = jax.tree.map(lambda full, one: full.at[slot].set(one[0].astype(full.dtype)), slot_params,
+                               programs.SlotParams(limits=staged.limit, stops=staged.stops, sampling=staged.sampling))
+    return slots, slot_params, (state.token[0], logprob[0], done[0])
+
+
+def _round(static: V4Static, j: int, mode: SamplingMode, params, sub: Slots, inputs: programs.SlotParams) -> Slots:
+    """One round at k = j on the live rows of `sub`: their tokens, log-probabilities, counts, stops
+    and statistics; rows that are done keep their position."""
+    b = sub.done.shape[0]
+    n, live = sub.state.n, ~sub.done
+    state, committed, logprobs, accepted = run_round(static.config, static.dtype, j, mode, static.k > 0, params,
+                                                     inputs.sampling, sub.state)
+    state = state.replace(n=jnp.where(live, state.n, n))
+    width = sub.seq.shape[1]
+    at = jnp.where(live[:, None], n[:, None] + 1 + jnp.arange(j + 1), width)  # done rows write nothing
+    rows = jnp.arange(b)[:, None]
+    seq = sub.seq.at[rows, at].set(committed, mode="drop")
+    kept, stopped = _finish(seq, n, sub.count, committed, jnp.where(live, accepted + 1, 0), inputs.limits,
+                            inputs.stops)
+    tried = live[:, None] & (jnp.arange(j)[None] < accepted[:, None])
+    return sub.replace(state=state, seq=seq, logprobs=sub.logprobs.at[rows, at].set(logprobs, mode="drop"),
+                       count=sub.count + kept, done=sub.done | stopped, rounds=sub.rounds + live,
+                       accepted_at=sub.accepted_at.at[:, :j].add(tried.astype(jnp.int32)),
+                       rounds_at=sub.rounds_at.at[:, j].add(live.astype(jnp.int32)))
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames="slots")
+def segment(static: V4Static, mode: SamplingMode, bucket: int, window: int, params, slots: Slots,
+            slot_params: programs.SlotParams, k, rounds, halt, early):
+    """Up to `rounds` rounds at k (traced, 0..static.k) on rows 0..bucket - 1; fewer once every row
+    is done, or with `early` once a row that was running finishes. halt [S]: rows the host ended
+    (or free), done before the first round. -> (slots, slot_params, programs.Report of the
+    bucket's rows with M = window: the tokens at the M positions up to each row's last new one)."""
+    context_mesh(params, "engine.v4.segment")
+    sub = _rows(lambda axis, x: jax.lax.slice_in_dim(x, 0, bucket, axis=axis), slots)
+    inputs = jax.tree.map(lambda x: x[:bucket], slot_params)
+    probs = sub.state.draft_probs
+    if mode.greedy and probs is not None:  # the greedy program carries no draft distributions
+        sub = sub.replace(state=sub.state.replace(draft_probs=None))
+    started_done = sub.done | halt[:bucket]
+    sub = sub.replace(done=started_done)
+    with jax.named_scope("segment"):
+        for j in range(static.k + 1):
+            def step(carry, j=j):
+                return carry[0] + 1, _round(static, j, mode, params, carry[1], inputs)
+
+            def running(carry, j=j):
+                done = carry[1].done
+                ended = early & jnp.any(done & ~started_done)
+                return (k == j) & (carry[0] < rounds) & ~jnp.all(done) & ~ended
+
+            sub = jax.lax.while_loop(running, step, (jnp.int32(0), sub))[1]
+    if mode.greedy and probs is not None:
+        sub = sub.replace(state=sub.state.replace(draft_probs=probs))
+    slots = _rows(lambda axis, full, part: full.at[_index(axis, slice(0, bucket))].set(part), slots, sub)
+    last = sub.first + sub.count - 1
+    at = jnp.clip(last[:, None] - window + 1 + jnp.arange(window), 0, sub.seq.shape[1] - 1)
+    report = programs.Report(n=last, count=sub.count, done=sub.done, recent=_rows_at(sub.seq, at),
+                             recent_logprobs=_rows_at(sub.logprobs, at), rounds=sub.rounds,
+                             accepted_at=sub.accepted_at, rounds_at=sub.rounds_at)
+    return slots, slot_params, report
+
+
+@partial(jax.jit, static_argnums=0, donate_argnames="slots")
+def occupy(static: V4Static, slots: Slots, slot_params: programs.SlotParams, bucket_rows, position):
+    """Calibration only: rows where bucket_rows [S] is set run from `position` with no limit or stop
+    (whatever their caches hold); the others are done."""
+    live = bucket_rows
+    slots = slots.replace(state=slots.state.replace(n=jnp.where(live, position, slots.state.n)),
+                          first=jnp.where(live, position + 1, slots.first), count=jnp.where(live, 0, slots.count),
+                          done=~live)
+    big = jnp.iinfo(jnp.int32).max // 2
+    slot_params = slot_params.replace(limits=jnp.where(live, big, slot_params.limits),
+                                      stops=jnp.where(live[:, None, None], NEVER, slot_params.stops))
+    return slots, slot_params
+
+
+class V4Device(Device):
+    """`device.Device`'s operations on a DeepSeek-V4 model (see the module's docstring); the
+    lockstep across processes is Device's. Prefix reuse (load, store) is not available."""
+
+    def __init__(self, settings, model):
+        if settings.prefix_blocks:
+            raise ValueError("V4Device: no prefix store")
+        super().__init__(settings)
+        self.model = model
+
+    def fresh(self):
+        self._send(FRESH)
+        s, static, model = self.s, self.s.static, self.model
+        headroom = static.k + 1
+        mtp_cache = model.new_mtp_cache(s.slots, static.cache_len, headroom) if static.k else None
+        self.state = empty_slots(static, s.slots, mtp_cache, model.new_caches(s.slots, static.cache_len, headroom))
+        ones = np.ones((s.slots,), np.float32)
+        sampling = SamplingParams(ones, np.ones((s.slots,), np.int32), ones.copy(), np.ones((s.slots,), bool))
+        params = programs.SlotParams(limits=np.ones((s.slots,), np.int32),
+                                     stops=np.full((s.slots, *s.stops), NEVER, np.int32), sampling=sampling)
+        self.params = model.place_rows(jax.tree.map(jnp.asarray, params))
+        c, width = static.config, static.cache_len + static.k + 1
+        self.staging = Staged(caches=model.new_caches(1, static.cache_len, headroom),
+                              mtp_cache=model.new_mtp_cache(1, static.cache_len, headroom) if static.k else None,
+                              window=jnp.zeros((1, min(c.sliding_window, width), c.hc_mult, c.hidden_size), static.dtype),
+                              last=jnp.zeros((1, c.vocab_size), jnp.float32),
+                              prompt=jnp.zeros((1, width), jnp.int32),
+                              length=jnp.ones((1,), jnp.int32), limit=jnp.ones((1,), jnp.int32),
+                              stops=jnp.full((1, *s.stops), NEVER, jnp.int32),
+                              sampling=SamplingParams(jnp.ones((1,)), jnp.ones((1,), jnp.int32), jnp.ones((1,)),
+                                                      jnp.ones((1,), bool)),
+                              key=jax.random.split(jax.random.key(0), 1))
+        self.pool = None
+
+    def begin(self, seq: np.ndarray, *, stops: np.ndarray, length: int, limit: int, temperature: float, top_k: int,
+              top_p: float, greedy: bool, seed: int):
+        self._send(BEGIN, (length, limit, top_k, int(greedy), seed, _bits(temperature), _bits(top_p)),
+                   np.concatenate([seq, stops.ravel()]))
+        sampling = SamplingParams(jnp.float32([temperature]), jnp.int32([top_k]), jnp.float32([top_p]),
+                                  jnp.array([greedy]))
+        self.staging = stage_begin(self.s.static, self.staging, jnp.asarray(seq, jnp.int32)[None],
+                                   jnp.int32([length]), jnp.int32([limit]), jnp.asarray(stops, jnp.int32)[None],
+                                   sampling, jax.random.key(seed)[None])
+
+    def load(self, ids: np.ndarray, count: int):
+        raise RuntimeError("V4Device.load: no prefix store for DeepSeek-V4")
+
+    def store(self, blocks: np.ndarray, entries: np.ndarray):
+        raise RuntimeError("V4Device.store: no prefix store for DeepSeek-V4")
+
+    def chunk(self, start: int, size: int, *, draft: bool = True):
+        """The staged prompt's prefill over start..start + size - 1 (V4's prefill runs the MTP block
+        once, at insertion, whatever `draft` says)."""
+        self._send(CHUNK, (start, size, int(draft)))
+        self.staging = stage_chunk(self.s.static, size, self.s.params, self.staging, jnp.int32(start))
+
+    def insert(self, slot: int) -> tuple[int, float, bool]:
+        self._send(INSERT, (slot,))
+        self.state, self.params, first = insert(self.s.static, self.s.params, self.state, self.params, self.staging,
+                                                jnp.int32(slot))
+        token, logprob, done = _fetch(first)
+        return int(token), float(logprob), bool(done)
+
+    def _mode(self, greedy: bool) -> SamplingMode:
+        return programs.GREEDY if greedy else programs.MIXED
+
+    def segment(self, *, greedy: bool, bucket: int, k: int, rounds: int, refill: np.ndarray, early: bool,
+                halt: np.ndarray) -> programs.Report:
+        """A decode segment (`segment`; refill is not needed on V4, see the module's docstring)."""
+        self._send(SEGMENT, (int(greedy), bucket, k, rounds, int(early)),
+                   np.concatenate([halt, refill]).astype(np.int32))
+        self.state, self.params, report = segment(
+            self.s.static, self._mode(greedy), bucket, self.s.window, self.s.params, self.state, self.params,
+            jnp.int32(k), jnp.int32(rounds), jnp.asarray(halt), jnp.bool_(early))
+        return _fetch(report)
+
+    def compile_segment(self, *, greedy: bool, bucket: int):
+        halt = jnp.zeros((self.s.slots,), bool)
+        segment.lower(self.s.static, self._mode(greedy), bucket, self.s.window, self.s.params, self.state,
+                      self.params, jnp.int32(0), jnp.int32(1), halt, jnp.bool_(False)).compile()
+
+    def occupy(self, rows: np.ndarray, position: int):
+        self._send(OCCUPY, (position,), rows.astype(np.int32))
+        self.state, self.params = occupy(self.s.static, self.state, self.params, jnp.asarray(rows),
+                                         jnp.int32(position))

@@ -1,0 +1,127 @@
+"""The serving engine on a DeepSeek-V4 model (jaxmtp.engine.v4): greedy requests arriving while
+others decode, with k switching between 0 and 2 every few milliseconds, each equal to its prompt's
+plain greedy decoding alone; sampled requests beside greedy ones at k = 2 follow the model's
+distribution (chi-square against whole forward passes); the refusals V4 adds."""
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+
+from jaxmtp.engine import Engine, Request
+from jaxmtp.errors import InputError
+from jaxmtp.models.deepseek_v4 import init_v4
+from test_deepseek_v4 import SAMPLING, SAMPLING_PROMPT, first_tokens_distribution
+from test_engine import Collector, staggered
+from test_speculative_sampling import chi_square_p_value
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_v4(SAMPLING, seed=4)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = Engine(model, slots=16, buckets=(16,), max_len=48, prefill_chunk=16, segment_rounds=4, prefix_blocks=0,
+                    max_queue=8192, speculative_k=2)
+    engine.start()
+    yield engine
+    engine.shutdown(timeout=5)
+
+
+def test_v4_greedy_requests_under_load_equal_plain_greedy_alone(engine, model):
+    """Prompts of 1..30 tokens, past the sliding window of 4 and several compression blocks of 2 and
+    8, arriving while others decode; k flips between 0 and 2 every 3 ms."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, SAMPLING.vocab_size, n).tolist() for n in rng.integers(1, 31, 24)]
+    limits = [int(m) for m in rng.integers(1, 17, 24)]
+    reference = model.greedy(prompts, max(limits))
+    before = dict(engine.snapshot()["rounds_by_k"])
+    finished = threading.Event()
+
+    def switch():
+        for i in itertools.count():
+            if finished.wait(0.003):
+                return
+            engine.force_k(2 * (i % 2))
+
+    switcher = threading.Thread(target=switch)
+    switcher.start()
+    try:
+        collectors = staggered(engine, prompts, limits, ignore_eos=True)
+    finally:
+        finished.set()
+        switcher.join()
+        engine.force_k(None)
+    for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
+        assert c.finish.finish_reason == "length", (i, c.finish)
+        assert c.tokens == want[:m], f"request {i} (prompt of {len(prompts[i])} tokens) differs from plain greedy"
+    snapshot = engine.snapshot()
+    assert snapshot["running"] == 0 and snapshot["waiting"] == 0
+    ran = {j: n - before.get(j, 0) for j, n in snapshot["rounds_by_k"].items()}
+    assert ran.get(0, 0) > 0 and ran.get(2, 0) > 0
+
+
+def test_v4_sampled_requests_in_a_mixed_batch_follow_the_model(engine, model):
+    """The first two tokens of 2,048 sampled requests (the prefill's, and the first verify round's:
+    an accepted draft or a draw from the residual) at k = 2, beside greedy requests (every ninth),
+    against the model's distribution; the greedy ones equal plain greedy."""
+    samples, new = 2048, 2
+    greedy = model.greedy([SAMPLING_PROMPT], new)[0]
+    engine.force_k(2)
+    before = engine.snapshot()
+    try:
+        collectors = []
+        for i in range(samples + samples // 8):
+            c = Collector()
+            c.greedy = i % 9 == 8
+            engine.submit(Request(prompt=tuple(SAMPLING_PROMPT), max_tokens=new, ignore_eos=True,
+                                  temperature=0.0 if c.greedy else 1.0, seed=i), c)
+            collectors.append(c)
+        for c in collectors:
+            assert c.done.wait(300)
+    finally:
+        engine.force_k(None)
+    after = engine.snapshot()
+    assert all(c.tokens == greedy for c in collectors if c.greedy)
+    sampled = np.array([c.tokens for c in collectors if not c.greedy])
+    assert sampled.shape == (samples, new)
+    counts = np.zeros((SAMPLING.vocab_size,) * new)
+    np.add.at(counts, tuple(sampled.T), 1)
+    expected = first_tokens_distribution(model, SAMPLING_PROMPT, new) * samples
+    assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
+    drafted = after["drafted_total"] - before["drafted_total"]
+    accepted = after["accepted_total"] - before["accepted_total"]
+    assert 0.05 < accepted / drafted < 0.95  # both the accept and the reject paths ran
+
+
+def test_v4_engine_refuses_prefix_reuse(model):
+    with pytest.raises(InputError, match="prefix_blocks: prefix reuse is not available for DeepSeek-V4"):
+        Engine(model, slots=2, max_len=32, prefill_chunk=16)
+
+
+def test_jaxmtp_serve_answers_an_openai_client_on_a_v4_checkpoint(tmp_path, model):
+    """`jaxmtp serve` of a V4 checkpoint (speculating at k = 2): a completion and a streamed one of
+    token-id prompts equal plain greedy decoding alone; prefix reuse is refused by name."""
+    from jaxmtp.models.deepseek_v4.checkpoint import save_v4
+    from test_serve import Server
+
+    save_v4(model, tmp_path / "v4")
+    prompts = [[3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 7, 2, 1], [7, 7]]
+    want = model.greedy(prompts, 10)
+    server = Server(tmp_path / "server.log", "--max-batch", "2", "--buckets", "2", "--max-len", "48",
+                    "--prefill-chunk", "16", "--greedy-only", "--speculative-k", "2", model=str(tmp_path / "v4"))
+    try:
+        client = server.ready().client()
+        done = client.completions.create(model="v4", prompt=prompts[0], max_tokens=10, extra_body={"ignore_eos": True})
+        assert done.choices[0].token_ids == want[0] and done.choices[0].finish_reason == "length"
+        chunks = client.completions.create(model="v4", prompt=prompts[1], max_tokens=10, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert [t for chunk in chunks for choice in chunk.choices for t in choice.token_ids] == want[1]
+    finally:
+        server.stop()
+    assert server.process.returncode == 0 and "Traceback" not in server.log.read_text(), server.tail()
+    refused = Server(tmp_path / "refused.log", "--prefix-blocks", "4", model=str(tmp_path / "v4"))
+    assert refused.process.wait(120) != 0 and "--prefix-blocks 4: prefix reuse is not available" in refused.tail()
