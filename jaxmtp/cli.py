@@ -193,7 +193,6 @@ def _prompt_ids(text: str) -> list[list[int]]:
                                          f'by ";", found {text!r}') from None
 
 
-PREFIX_BLOCKS = 64  # `serve --prefix-blocks` of a V3-family checkpoint
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
@@ -551,12 +550,7 @@ def _serve(args):
         sock = bind(args.host, args.port) if leader else None
     except OSError as e:
         raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror})") from None
-    v4 = os.path.isdir(model_dir) and _is_v4(model_dir, "MODEL")
-    prefix_blocks = args.prefix_blocks if args.prefix_blocks is not None else 0 if v4 else PREFIX_BLOCKS
-    if v4 and prefix_blocks:
-        raise UsageError(f"--prefix-blocks {prefix_blocks}: prefix reuse is not available for DeepSeek-V4 "
-                         "checkpoints yet; leave it out (no reuse) or give 0")
-    if v4:
+    if os.path.isdir(model_dir) and _is_v4(model_dir, "MODEL"):
         model = _load_v4(model_dir, mesh=args.mesh, matmul=args.matmul, flag="MODEL")
     else:
         model = _load(model_dir, flag="MODEL", mesh=args.mesh, quiet=args.quiet, fp8_line=not args.quiet,
@@ -572,7 +566,7 @@ def _serve(args):
                         eos_token_id=model.config.eos_token_id if eos is None else eos, progress=progress,
                         slots=args.max_batch, max_len=args.max_len or min(longest, 4096),
                         speculative_k=args.speculative_k, max_queue=args.max_queue, buckets=args.buckets,
-                        prefill_chunk=args.prefill_chunk, prefix_blocks=prefix_blocks,
+                        prefill_chunk=args.prefill_chunk, prefix_blocks=args.prefix_blocks,
                         sampling=not args.greedy_only)
         engine.start()  # on a process other than 0: runs process 0's operations until it shuts down
     if not leader:
@@ -937,9 +931,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefill-chunk", type=_chunk, default=128,
                     help="prompt positions prefilled per step between decode segments (a multiple of 16), and the "
                          "prefix store's block")
-    sv.add_argument("--prefix-blocks", type=_non_negative,
-                    help=f"prompt chunks the prefix store keeps for reuse by later prompts that begin alike; 0 = none; "
-                         f"default {PREFIX_BLOCKS}, and 0 for DeepSeek-V4 checkpoints, which have no prefix reuse yet")
+    sv.add_argument("--prefix-blocks", type=_non_negative, default=64,
+                    help="prompt chunks the prefix store keeps for reuse by later prompts that begin alike; 0 = none")
     sv.add_argument("--greedy-only", action="store_true",
                     help="compile the greedy programs only (a shorter start); requests with temperature > 0 are "
                          "refused")

@@ -24,7 +24,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    engine = Engine(model, slots=16, buckets=(16,), max_len=48, prefill_chunk=16, segment_rounds=4, prefix_blocks=0,
+    engine = Engine(model, slots=16, buckets=(16,), max_len=64, prefill_chunk=16, segment_rounds=4, prefix_blocks=8,
                     max_queue=8192, speculative_k=2)
     engine.start()
     yield engine
@@ -97,14 +97,34 @@ def test_v4_sampled_requests_in_a_mixed_batch_follow_the_model(engine, model):
     assert 0.05 < accepted / drafted < 0.95  # both the accept and the reject paths ran
 
 
-def test_v4_engine_refuses_prefix_reuse(model):
-    with pytest.raises(InputError, match="prefix_blocks: prefix reuse is not available for DeepSeek-V4"):
-        Engine(model, slots=2, max_len=32, prefill_chunk=16)
+def test_v4_prefix_reuse_gives_the_same_tokens(engine, model):
+    """Prompts that share their first 32 tokens (two chunks, past the window and several compressed
+    entries of each rate): after the first, each copies the two chunks' entries and rings from the
+    store instead of prefilling them, and decodes plain greedy's tokens."""
+    rng = np.random.default_rng(2)
+    shared = rng.integers(0, SAMPLING.vocab_size, 32).tolist()
+    prompts = [shared + rng.integers(0, SAMPLING.vocab_size, n).tolist() for n in (9, 12, 20, 15)]
+    want = model.greedy(prompts, 12)
+    cached = []
+    for prompt, tokens in zip(prompts, want):  # one at a time: each finds what the ones before stored
+        c = Collector()
+        engine.submit(Request(prompt=tuple(prompt), max_tokens=12, ignore_eos=True), c)
+        assert c.done.wait(120)
+        assert c.tokens == tokens
+        cached.append(c.finish.cached_tokens)
+    assert cached == [0, 32, 32, 32]
+
+
+def test_v4_engine_refuses_a_chunk_that_splits_compressed_entries():
+    config = SAMPLING.replace(compress_rates=(32, 8), max_position_embeddings=128)  # one CSA layer: rate 32
+    with pytest.raises(InputError, match=r"prefill_chunk: .* multiple of its compression rates \[32\], found 16"):
+        Engine(init_v4(config), slots=2, max_len=64, prefill_chunk=16)
+    Engine(init_v4(config), slots=2, max_len=64, prefill_chunk=16, prefix_blocks=0)  # without reuse it may
 
 
 def test_jaxmtp_serve_answers_an_openai_client_on_a_v4_checkpoint(tmp_path, model):
     """`jaxmtp serve` of a V4 checkpoint (speculating at k = 2): a completion and a streamed one of
-    token-id prompts equal plain greedy decoding alone; prefix reuse is refused by name."""
+    token-id prompts equal plain greedy decoding alone."""
     from jaxmtp.models.deepseek_v4.checkpoint import save_v4
     from test_serve import Server
 
@@ -123,5 +143,3 @@ def test_jaxmtp_serve_answers_an_openai_client_on_a_v4_checkpoint(tmp_path, mode
     finally:
         server.stop()
     assert server.process.returncode == 0 and "Traceback" not in server.log.read_text(), server.tail()
-    refused = Server(tmp_path / "refused.log", "--prefix-blocks", "4", model=str(tmp_path / "v4"))
-    assert refused.process.wait(120) != 0 and "--prefix-blocks 4: prefix reuse is not available" in refused.tail()

@@ -211,16 +211,19 @@ class _Staged:
 
 class PrefixStore:
     """Host index of the prefix store: chunk keys -> store entries, least recently used evicted.
-    A chunk's key digests every prompt token up to and including the first after the chunk."""
+    A chunk's key digests every prompt token up to the chunk's end and `lookahead` more: the V3
+    family's MTP entry at a chunk's last position reads the token after it (1); V4's MTP cache is
+    not stored (0)."""
 
-    def __init__(self, entries: int, block: int):
-        self.entries, self.block = entries, block
+    def __init__(self, entries: int, block: int, lookahead: int = 1):
+        self.entries, self.block, self.lookahead = entries, block, lookahead
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.free = list(range(entries))
 
     def keys(self, prompt: Sequence[int], blocks: int) -> list[bytes]:
         tokens = np.asarray(prompt, np.int32)
-        return [hashlib.sha256(tokens[:(j + 1) * self.block + 1].tobytes()).digest() for j in range(blocks)]
+        return [hashlib.sha256(tokens[:(j + 1) * self.block + self.lookahead].tobytes()).digest()
+                for j in range(blocks)]
 
     def match(self, prompt: Sequence[int], most: int) -> list[int]:
         """The store entries of the prompt's leading chunks, at most `most` of them."""
@@ -232,6 +235,21 @@ class PrefixStore:
             self.index.move_to_end(key)
             found.append(entry)
         return found
+
+    def place_one(self, prompt: Sequence[int], block: int) -> int | None:
+        """An entry for the prompt's chunk `block` where it is not stored yet (evicting the least
+        recently used), else None."""
+        key = self.keys(prompt, block + 1)[block]
+        if key in self.index:
+            self.index.move_to_end(key)
+            return None
+        if not self.free:
+            if not self.index:
+                return None
+            self.free.append(self.index.popitem(last=False)[1])
+        entry = self.free.pop()
+        self.index[key] = entry
+        return entry
 
     def place(self, prompt: Sequence[int], blocks: int) -> tuple[list[int], list[int]]:
         """Entries for the prompt's first `blocks` chunks that are not stored yet -> (chunk numbers,
@@ -263,10 +281,15 @@ class Engine:
                  config: EngineConfig | None = None, **options):
         config = dataclasses.replace(config or EngineConfig(), **options)
         self.config = _check_config(config, model)
-        v4 = _v4(model)
-        if v4 and self.config.prefix_blocks:
-            raise InputError("prefix_blocks: prefix reuse is not available for DeepSeek-V4 models yet (their "
-                             "compressed caches are not copied in blocks); use prefix_blocks=0")
+        v4 = self._v4 = _v4(model)
+        rates = sorted({model.config.compress_rate(kind) for kind in model.config.layer_types} - {0}) if v4 else []
+        if self.config.prefix_blocks and any(self.config.prefill_chunk % rate for rate in rates):
+            raise InputError(f"prefill_chunk: prefix reuse on this DeepSeek-V4 model stores chunks of whole compressed "
+                             f"entries, so the chunk must be a multiple of its compression rates {rates}, found "
+                             f"{self.config.prefill_chunk} (or prefix_blocks=0)")
+        # Positions a prompt leaves to its prefill after a reused prefix: auto's window of main hidden
+        # states (V3), or the MTP block's sliding window over the prompt's last positions (V4).
+        self._prefill_tail = max(AUTO_SEGMENT, model.config.sliding_window) if v4 else AUTO_SEGMENT
         compile_cache.enable()
         self.model = model if v4 else model.decoding()
         self.tokenizer = tokenizer
@@ -302,7 +325,7 @@ class Engine:
         self.costs: dict[str, dict[int, np.ndarray]] = {}
         self.cost_reach = np.zeros(0, np.int64)
         self._chooser = Chooser(max(self.k_max, 1), c.slots, c.hysteresis)
-        self._prefix = PrefixStore(c.prefix_blocks, chunk) if c.prefix_blocks else None
+        self._prefix = PrefixStore(c.prefix_blocks, chunk, lookahead=0 if v4 else 1) if c.prefix_blocks else None
         settings = device.Settings(static=self.static, params=self.model.params, slots=c.slots, chunk=chunk,
                                    window=self.window, stops=(c.stop_sequences, c.stop_length),
                                    prefix_blocks=c.prefix_blocks)
@@ -726,9 +749,7 @@ class Engine:
                            top_k=request.top_k if 0 < request.top_k < vocab else vocab, top_p=request.top_p,
                            greedy=greedy, seed=seed)
         if self._prefix is not None and staged.handle.id >= 0:
-            # Leave at least AUTO_SEGMENT positions to prefill: auto's window of main hidden states
-            # comes from the prefill.
-            most = max(0, (len(prompt) - AUTO_SEGMENT) // chunk)
+            most = max(0, (len(prompt) - self._prefill_tail) // chunk)
             entries = self._prefix.match(request.prompt, most)
             if entries:
                 ids = np.zeros((self._device.blocks,), np.int32)
@@ -779,6 +800,8 @@ class Engine:
         drafted = self._drafting()
         self._device.chunk(staged.start, size, draft=drafted)
         staged.start += size
+        if self._v4:  # V4's chunks are stored as they are prefilled (engine.v4: their rings)
+            self._store_chunk(staged, (staged.start - size) // self.config.prefill_chunk, size)
         if staged.start <= staged.last:
             return
         token, logprob, done = self._device.insert(staged.slot)
@@ -799,8 +822,20 @@ class Engine:
         self._chooser.reset(staged.slot)
         self._deliver(staged.slot, [token], [logprob], done)
 
+    def _store_chunk(self, staged: _Staged, chunk: int, size: int):
+        """A V4 prompt's chunk `chunk`, just prefilled, into the prefix store where it is a whole
+        chunk of the prompt and not stored yet."""
+        request = staged.handle.request
+        if self._prefix is None or staged.handle.id < 0 or size != self.config.prefill_chunk:
+            return
+        if chunk >= len(request.prompt) // size:
+            return
+        entry = self._prefix.place_one(request.prompt, chunk)
+        if entry is not None:
+            self._store_blocks([chunk], [entry])
+
     def _store_prefix(self, staged: _Staged):
-        if self._prefix is None:
+        if self._prefix is None or self._v4:  # V4 stored its chunks as it prefilled them
             return
         request, chunk = staged.handle.request, self.config.prefill_chunk
         blocks = (len(request.prompt) - 1) // chunk  # whole chunks followed by a prompt token

@@ -11,8 +11,14 @@ first token, runs the MTP block over the prompt's last positions (its first draf
 row into its slot whole. A segment runs up to `rounds` rounds at one k on the first `bucket` rows;
 rows that are done keep their position. Auto's rounds at k = 0 repair the MTP cache, as
 `speculative.decode`'s do, so a slot's drafts are never stale: the engine's refill mask is not
-needed here. Prefix reuse is not available for V4 (its compressed caches are not copied in
-blocks); `Engine` refuses prefix_blocks > 0 for a V4 model.
+needed here.
+
+Prefix reuse: V4's caches hold compressed entries by position and ring buffers of the latest
+positions (the sliding window, the pools' partly filled blocks). A store entry of chunk j holds
+the chunk's compressed entries and the rings as they are once the prefill has passed the chunk's
+last position, so the engine stores each chunk right after prefilling it (`store`), and loading n
+chunks copies their entries and the rings of chunk n - 1 (`load`). The chunk must be a multiple of
+every compression rate.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import numpy as np
 
 from jaxmtp.decoding import NEVER, _finish, _rows_at
 from jaxmtp.engine import programs
-from jaxmtp.engine.device import BEGIN, CHUNK, FRESH, INSERT, OCCUPY, SEGMENT, Device, _bits, _fetch
+from jaxmtp.engine.device import BEGIN, CHUNK, FRESH, INSERT, LOAD, OCCUPY, SEGMENT, STORE, Device, _bits, _fetch
+from jaxmtp.models.deepseek_v4.attention import LayerCache, PoolCache
 from jaxmtp.models.deepseek_v4.speculative import RoundState, prefill_chunk, prefill_finish, run_round
+from jaxmtp.models.deepseek_v4.transformer import segments
 from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilities, split
 from jaxmtp.sharding import context_mesh
 
@@ -246,13 +254,66 @@ def occupy(static: V4Static, slots: Slots, slot_params: programs.SlotParams, buc
     return slots, slot_params
 
 
+def rates(config, caches) -> tuple:
+    """The main caches' tree [segments][unit layers] with each leaf's positions per entry: a pool's
+    compressed entries its compression rate, the ring buffers 0."""
+    def layer(kind, cache: LayerCache) -> LayerCache:
+        def pool(p):
+            return None if p is None else PoolCache(kv=0, gate=0, pos=0, entries=config.compress_rate(kind))
+
+        return LayerCache(window=0, window_pos=0, compressor=pool(cache.compressor), indexer=pool(cache.indexer))
+
+    return tuple(tuple(layer(kind, cache) for (kind, _), cache in zip(segment.kinds, held))
+                 for segment, held in zip(segments(config), caches))
+
+
+def empty_pool(config, caches, entries: int, block: int):
+    """The prefix store for `entries` chunks of `block` positions, for batch-1 caches (leaves
+    [repeats, 1, ...]): compressed entries [repeats, entries, block / rate, ...], rings [repeats,
+    entries, ...]."""
+    def one(leaf, rate):
+        shape = (leaf.shape[0], entries) + ((block // rate,) if rate else (leaf.shape[2],)) + leaf.shape[3:]
+        return jnp.zeros(shape, leaf.dtype)
+
+    return jax.tree.map(one, caches, rates(config, caches))
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="pool")
+def store_block(config, block: int, pool, caches, chunk, entry):
+    """Chunk `chunk` of the batch-1 caches into store entry `entry` (past the store's end: skipped):
+    its compressed entries, and the rings as they are now (the prefill has just passed the chunk)."""
+    def put(store, cache, rate):
+        cache = cache[:, 0]
+        if rate:
+            cache = jax.lax.dynamic_slice_in_dim(cache, chunk * (block // rate), block // rate, axis=1)
+        return store.at[:, entry].set(cache, mode="drop")
+
+    return jax.tree.map(put, pool, caches, rates(config, caches))
+
+
+@partial(jax.jit, static_argnums=0, donate_argnames="caches")
+def load_blocks(config, caches, pool, entries, count):
+    """Store entries[:count] as chunks 0..count - 1 of the batch-1 caches (entries: one per cache
+    chunk): their compressed entries, and the rings of chunk count - 1 (none when count is 0)."""
+    def get(cache, store, rate):
+        if not rate:
+            ring = jnp.take(store, jnp.maximum(count - 1, 0), axis=1)[:, None]
+            return jnp.where(count > 0, ring.astype(cache.dtype), cache)
+        taken = jnp.take(store, entries, axis=1, mode="clip")  # [r, m, block / rate, ...]
+        taken = taken.reshape((taken.shape[0], 1, -1) + taken.shape[3:])[:, :, :cache.shape[2]]
+        chunk = store.shape[2]
+        keep = (jnp.arange(taken.shape[2]) < count * chunk).reshape((1, 1, -1) + (1,) * (cache.ndim - 3))
+        head = jax.lax.slice_in_dim(cache, 0, taken.shape[2], axis=2)
+        return jax.lax.dynamic_update_slice_in_dim(cache, jnp.where(keep, taken, head), 0, axis=2)
+
+    return jax.tree.map(get, caches, pool, rates(config, caches))
+
+
 class V4Device(Device):
     """`device.Device`'s operations on a DeepSeek-V4 model (see the module's docstring); the
-    lockstep across processes is Device's. Prefix reuse (load, store) is not available."""
+    lockstep across processes is Device's."""
 
     def __init__(self, settings, model):
-        if settings.prefix_blocks:
-            raise ValueError("V4Device: no prefix store")
         super().__init__(settings)
         self.model = model
 
@@ -279,6 +340,8 @@ class V4Device(Device):
                                                       jnp.ones((1,), bool)),
                               key=jax.random.split(jax.random.key(0), 1))
         self.pool = None
+        if s.prefix_blocks:
+            self.pool = empty_pool(c, self.staging.caches, s.prefix_blocks, s.chunk)
 
     def begin(self, seq: np.ndarray, *, stops: np.ndarray, length: int, limit: int, temperature: float, top_k: int,
               top_p: float, greedy: bool, seed: int):
@@ -291,10 +354,23 @@ class V4Device(Device):
                                    sampling, jax.random.key(seed)[None])
 
     def load(self, ids: np.ndarray, count: int):
-        raise RuntimeError("V4Device.load: no prefix store for DeepSeek-V4")
+        """Store entries ids[:count] as the staged caches' first chunks (ids: one per cache chunk),
+        with the rings of the last (`load_blocks`)."""
+        self._send(LOAD, (count,), ids)
+        caches = load_blocks(self.s.static.config, self.staging.caches, self.pool, jnp.asarray(ids, jnp.int32),
+                             jnp.int32(count))
+        self.staging = self.staging.replace(caches=caches)
 
     def store(self, blocks: np.ndarray, entries: np.ndarray):
-        raise RuntimeError("V4Device.store: no prefix store for DeepSeek-V4")
+        """Staged chunks `blocks` into store `entries` (one per cache chunk; entries at or past the
+        store's size are skipped). Each chunk's rings are taken as they are now, so the engine
+        stores a chunk right after prefilling it (see the module's docstring); with nothing to
+        copy, one copy the store drops runs (it compiles the program)."""
+        self._send(STORE, (), np.concatenate([blocks, entries]))
+        pairs = [(b, e) for b, e in zip(blocks, entries) if e < self.s.prefix_blocks] or [(0, self.s.prefix_blocks)]
+        for block, entry in pairs:
+            self.pool = store_block(self.s.static.config, self.s.chunk, self.pool, self.staging.caches,
+                                    jnp.int32(block), jnp.int32(entry))
 
     def chunk(self, start: int, size: int, *, draft: bool = True):
         """The staged prompt's prefill over start..start + size - 1 (V4's prefill runs the MTP block
