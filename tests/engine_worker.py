@@ -1,7 +1,8 @@
 """One of two processes (4 CPU devices each) that form one 8-device mesh over loopback and run one
 serving engine on it: process 0 takes the requests and schedules, process 1 follows its operations
 (jaxmtp.engine.device). Process 0 writes the tokens it served as JSON (process0.json in the output
-folder); process 1 writes that it followed to the end. Run by tests/test_multiprocess.py."""
+folder); process 1 writes that it followed to the end. With "v4" after the folder, the checkpoint
+is a DeepSeek-V4 one (load_v4). Run by tests/test_multiprocess.py."""
 
 import faulthandler
 import json
@@ -9,6 +10,7 @@ import os
 import sys
 
 process_id, port, model_dir, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+V4 = sys.argv[5:] == ["v4"]
 faulthandler.dump_traceback_later(int(os.environ.get("WORKER_TIMEOUT", "600")), exit=True)
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
@@ -20,9 +22,15 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 import jaxmtp  # noqa: E402
 from jaxmtp.engine import Engine  # noqa: E402
 from jaxmtp.sharding import make_mesh  # noqa: E402
-from generation_models import MESH_PROMPTS as PROMPTS  # noqa: E402
+from generation_models import MESH_PROMPTS, V4_MESH_PROMPTS  # noqa: E402
 
-model = jaxmtp.load(model_dir, mesh=make_mesh(data=2, expert=2, tensor=2))
+mesh = make_mesh(data=2, expert=2, tensor=2)
+if V4:
+    from jaxmtp.models.deepseek_v4 import load_v4
+
+    model, PROMPTS = load_v4(model_dir, mesh=mesh), V4_MESH_PROMPTS
+else:
+    model, PROMPTS = jaxmtp.load(model_dir, mesh=mesh), MESH_PROMPTS
 engine = Engine(model, slots=4, buckets=(4,), max_len=64, prefill_chunk=16, segment_rounds=2, prefix_blocks=4,
                 sampling=False, speculative_k=2)
 engine.start()  # process 1: follows process 0 until it shuts down

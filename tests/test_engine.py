@@ -3,6 +3,7 @@ whatever arrives beside it and whatever k the segments run; sampled requests in 
 follow the model's distribution (chi-square against full forward passes); prefix reuse gives the
 same tokens; cancellation, stop strings and a full queue behave."""
 
+import contextlib
 import itertools
 import random
 import threading
@@ -82,6 +83,27 @@ def staggered(engine, prompts, limits, **fields):
     return collectors
 
 
+@contextlib.contextmanager
+def k_switching(engine, every: float = 0.003):
+    """While the block runs, the engine's k flips between 0 and 2 every `every` seconds; then auto."""
+    finished = threading.Event()
+
+    def switch():
+        for i in itertools.count():
+            if finished.wait(every):
+                return
+            engine.force_k(2 * (i % 2))
+
+    switcher = threading.Thread(target=switch)
+    switcher.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        switcher.join()
+        engine.force_k(None)
+
+
 @pytest.mark.parametrize("k", ["auto", "switching"])
 def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, tokenizer, k):
     """"switching": k flips between 0 and 2 every few milliseconds, so that prompts are prefilled
@@ -91,25 +113,9 @@ def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, token
     limits = [8 + (7 * i) % 33 for i in range(32)]
     reference = jaxmtp.generate(demo, prompts, max_new_tokens=max(limits)).tokens  # rows are independent
     before = dict(engine.snapshot()["rounds_by_k"])
-    engine.force_k(None if k == "auto" else 0 if k == "switching" else k)
-    finished = threading.Event()
-
-    def switch():
-        for i in itertools.count():
-            if finished.wait(0.003):
-                return
-            engine.force_k(2 * (i % 2))
-
-    switcher = threading.Thread(target=switch)
-    if k == "switching":
-        switcher.start()
-    try:
+    engine.force_k(None)
+    with k_switching(engine) if k == "switching" else contextlib.nullcontext():
         collectors = staggered(engine, prompts, limits)
-    finally:
-        finished.set()
-        if switcher.is_alive():
-            switcher.join()
-        engine.force_k(None)
     for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
         assert c.finish.finish_reason == "length", (i, c.finish)
         assert c.tokens == want[:m], f"request {i} (prompt of {len(prompts[i])} tokens) differs from plain greedy"

@@ -3,9 +3,6 @@ others decode, with k switching between 0 and 2 every few milliseconds, each equ
 plain greedy decoding alone; sampled requests beside greedy ones at k = 2 follow the model's
 distribution (chi-square against whole forward passes); the refusals V4 adds."""
 
-import itertools
-import threading
-
 import numpy as np
 import pytest
 
@@ -13,7 +10,7 @@ from jaxmtp.engine import Engine, Request
 from jaxmtp.errors import InputError
 from jaxmtp.models.deepseek_v4 import init_v4
 from test_deepseek_v4 import SAMPLING, SAMPLING_PROMPT, first_tokens_distribution
-from test_engine import Collector, staggered
+from test_engine import Collector, k_switching, staggered
 from test_speculative_sampling import chi_square_p_value
 
 
@@ -22,10 +19,14 @@ def model():
     return init_v4(SAMPLING, seed=4)
 
 
+# The engine's settings; the server of the serve test takes the same, so that one of them compiles
+# the programs and the other loads them from the test run's compile cache (tests/conftest.py).
+SETTINGS = dict(slots=16, max_len=64, prefill_chunk=16, prefix_blocks=8, speculative_k=2)
+
+
 @pytest.fixture(scope="module")
 def engine(model):
-    engine = Engine(model, slots=16, buckets=(16,), max_len=64, prefill_chunk=16, segment_rounds=4, prefix_blocks=8,
-                    max_queue=8192, speculative_k=2)
+    engine = Engine(model, buckets=(16,), max_queue=8192, **SETTINGS)
     engine.start()
     yield engine
     engine.shutdown(timeout=5)
@@ -39,22 +40,8 @@ def test_v4_greedy_requests_under_load_equal_plain_greedy_alone(engine, model):
     limits = [int(m) for m in rng.integers(1, 17, 24)]
     reference = model.greedy(prompts, max(limits))
     before = dict(engine.snapshot()["rounds_by_k"])
-    finished = threading.Event()
-
-    def switch():
-        for i in itertools.count():
-            if finished.wait(0.003):
-                return
-            engine.force_k(2 * (i % 2))
-
-    switcher = threading.Thread(target=switch)
-    switcher.start()
-    try:
+    with k_switching(engine):
         collectors = staggered(engine, prompts, limits, ignore_eos=True)
-    finally:
-        finished.set()
-        switcher.join()
-        engine.force_k(None)
     for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
         assert c.finish.finish_reason == "length", (i, c.finish)
         assert c.tokens == want[:m], f"request {i} (prompt of {len(prompts[i])} tokens) differs from plain greedy"
@@ -116,10 +103,10 @@ def test_v4_prefix_reuse_gives_the_same_tokens(engine, model):
 
 
 def test_v4_engine_refuses_a_chunk_that_splits_compressed_entries():
-    config = SAMPLING.replace(compress_rates=(32, 8), max_position_embeddings=128)  # one CSA layer: rate 32
+    model = init_v4(SAMPLING.replace(compress_rates=(32, 8), max_position_embeddings=128))  # one CSA layer: rate 32
     with pytest.raises(InputError, match=r"prefill_chunk: .* multiple of its compression rates \[32\], found 16"):
-        Engine(init_v4(config), slots=2, max_len=64, prefill_chunk=16)
-    Engine(init_v4(config), slots=2, max_len=64, prefill_chunk=16, prefix_blocks=0)  # without reuse it may
+        Engine(model, slots=2, max_len=64, prefill_chunk=16)
+    Engine(model, slots=2, max_len=64, prefill_chunk=16, prefix_blocks=0)  # without reuse it may
 
 
 def test_jaxmtp_serve_answers_an_openai_client_on_a_v4_checkpoint(tmp_path, model):
@@ -131,13 +118,16 @@ def test_jaxmtp_serve_answers_an_openai_client_on_a_v4_checkpoint(tmp_path, mode
     save_v4(model, tmp_path / "v4")
     prompts = [[3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 7, 2, 1], [7, 7]]
     want = model.greedy(prompts, 10)
-    server = Server(tmp_path / "server.log", "--max-batch", "2", "--buckets", "2", "--max-len", "48",
-                    "--prefill-chunk", "16", "--greedy-only", "--speculative-k", "2", model=str(tmp_path / "v4"))
+    s = SETTINGS
+    server = Server(tmp_path / "server.log", "--max-batch", str(s["slots"]), "--buckets", str(s["slots"]),
+                    "--max-len", str(s["max_len"]), "--prefill-chunk", str(s["prefill_chunk"]), "--prefix-blocks",
+                    str(s["prefix_blocks"]), "--speculative-k", str(s["speculative_k"]), model=str(tmp_path / "v4"))
     try:
         client = server.ready().client()
-        done = client.completions.create(model="v4", prompt=prompts[0], max_tokens=10, extra_body={"ignore_eos": True})
+        done = client.completions.create(model="v4", prompt=prompts[0], max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
         assert done.choices[0].token_ids == want[0] and done.choices[0].finish_reason == "length"
-        chunks = client.completions.create(model="v4", prompt=prompts[1], max_tokens=10, stream=True,
+        chunks = client.completions.create(model="v4", prompt=prompts[1], max_tokens=10, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         assert [t for chunk in chunks for choice in chunk.choices for t in choice.token_ids] == want[1]
     finally:

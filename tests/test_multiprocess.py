@@ -65,9 +65,9 @@ def test_two_processes_generate_at_k2_like_one(tmp_path):
     assert first["2"] == second["2"] == jaxmtp.generate(single, PROMPTS, max_new_tokens=10, speculative_k=2).tokens
 
 
-def test_two_processes_generate_v4_like_one(tmp_path):
-    """A DeepSeek-V4 checkpoint loaded onto the mesh the two processes form (load_v4) decodes at
-    k = 2 the tokens that one process decodes plainly on one device."""
+def _v4_checkpoint(directory):
+    """A tiny random DeepSeek-V4 model whose every sharded dimension the 2 x 2 x 2 mesh divides,
+    saved to `directory` -> the model."""
     from jaxmtp.models.deepseek_v4 import CSA, HCA, V4Config, init_v4
     from jaxmtp.models.deepseek_v4.checkpoint import save_v4
 
@@ -77,7 +77,16 @@ def test_two_processes_generate_v4_like_one(tmp_path):
                       qk_rope_head_dim=8, sliding_window=8, compress_rates=(4, 8), o_groups=2, o_lora_rank=16,
                       index_n_heads=4, index_head_dim=16, index_topk=2, hc_mult=2, initializer_range=0.1)
     single = init_v4(config, seed=2)
-    save_v4(single, tmp_path / "v4")
+    save_v4(single, directory)
+    return single
+
+
+@pytest.mark.skipif(not os.environ.get("JAXMTP_LONG_TESTS"), reason="two processes compiling V4's loop take about "
+                    "half a CPU-minute; set JAXMTP_LONG_TESTS=1 to run it")
+def test_two_processes_generate_v4_like_one(tmp_path):
+    """A DeepSeek-V4 checkpoint loaded onto the mesh the two processes form (load_v4) decodes at
+    k = 2 the tokens that one process decodes plainly on one device."""
+    single = _v4_checkpoint(tmp_path / "v4")
     first, second = _run_workers(str(tmp_path / "v4"), str(tmp_path), "multiprocess_v4_worker.py")
     want = jaxmtp.generate(single, gm.V4_MESH_PROMPTS, max_new_tokens=gm.V4_MESH_TOKENS).tokens
     assert first["2"] == second["2"] == want
@@ -121,6 +130,18 @@ def test_two_processes_serve_like_one(tmp_path):
     first, second = _run_workers(model_dir, str(tmp_path), "engine_worker.py")
     assert second == {"followed": True}
     assert first["tokens"] == jaxmtp.generate(single, PROMPTS, max_new_tokens=10, speculative_k=0).tokens
+    assert first["rounds_by_k"].get("2", 0) > 0
+
+
+@pytest.mark.skipif(not os.environ.get("JAXMTP_LONG_TESTS"), reason="two processes compiling the engine take about "
+                    "two CPU-minutes; set JAXMTP_LONG_TESTS=1 to run it")
+def test_two_processes_serve_v4_like_one(tmp_path):
+    """test_two_processes_serve_like_one on a DeepSeek-V4 checkpoint (jaxmtp.engine.v4 over the
+    same lockstep)."""
+    single = _v4_checkpoint(tmp_path / "v4")
+    first, second = _run_workers(str(tmp_path / "v4"), str(tmp_path), "engine_worker.py", "v4")
+    assert second == {"followed": True}
+    assert first["tokens"] == jaxmtp.generate(single, gm.V4_MESH_PROMPTS, max_new_tokens=10).tokens
     assert first["rounds_by_k"].get("2", 0) > 0
 
 

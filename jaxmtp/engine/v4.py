@@ -134,17 +134,17 @@ def empty_slots(static: V4Static, slots: int, mtp_cache, caches) -> Slots:
                        key=jax.random.split(jax.random.key(0), slots))
     return Slots(state=state, seq=jnp.zeros((slots, width), jnp.int32), logprobs=jnp.zeros((slots, width)),
                  first=zeros(), count=zeros(), done=jnp.ones((slots,), bool), rounds=zeros(),
-                 accepted_at=jnp.zeros((slots, static.k), jnp.int32), rounds_at=jnp.zeros((slots, static.k + 1), jnp.int32))
+                 accepted_at=jnp.zeros((slots, static.k), jnp.int32),
+                 rounds_at=jnp.zeros((slots, static.k + 1), jnp.int32))
 
 
 @partial(jax.jit, static_argnums=0, donate_argnames="staged")
 def stage_begin(static: V4Static, staged: Staged, prompt, length, limit, stops, sampling, key) -> Staged:
     """A new request in the staging state, its caches emptied: prompt [1, W] (zeros after its length
     [1]), limit [1], stops [1, N, L], sampling (one row), key [1]."""
-    return staged.replace(caches=jax.tree.map(jnp.zeros_like, staged.caches),
-                          mtp_cache=jax.tree.map(jnp.zeros_like, staged.mtp_cache), window=jnp.zeros_like(staged.window),
-                          last=jnp.zeros_like(staged.last), prompt=prompt, length=length, limit=limit, stops=stops,
-                          sampling=sampling, key=key)
+    emptied = jax.tree.map(jnp.zeros_like, (staged.caches, staged.mtp_cache, staged.window, staged.last))
+    return staged.replace(caches=emptied[0], mtp_cache=emptied[1], window=emptied[2], last=emptied[3], prompt=prompt,
+                          length=length, limit=limit, stops=stops, sampling=sampling, key=key)
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="staged")
@@ -169,8 +169,9 @@ def insert(static: V4Static, params, slots: Slots, slot_params: programs.SlotPar
     first = staged.length
     seq = staged.prompt.at[0, first[0]].set(state.token[0])
     kept, done = _finish(seq, first - 1, zeros, state.token[:, None], jnp.ones_like(zeros), staged.limit, staged.stops)
-    row = Slots(state=state.replace(caches=staged.caches), seq=seq, logprobs=jnp.zeros(seq.shape).at[0, first[0]].set(logprob[0]), first=first, count=kept,
-                done=done, rounds=zeros, accepted_at=jnp.zeros((1, static.k), jnp.int32),
+    row = Slots(state=state.replace(caches=staged.caches), seq=seq,
+                logprobs=jnp.zeros(seq.shape).at[0, first[0]].set(logprob[0]), first=first, count=kept, done=done,
+                rounds=zeros, accepted_at=jnp.zeros((1, static.k), jnp.int32),
                 rounds_at=jnp.zeros((1, static.k + 1), jnp.int32))
 
     def put(axis, full, one):
@@ -329,9 +330,10 @@ class V4Device(Device):
                                      stops=np.full((s.slots, *s.stops), NEVER, np.int32), sampling=sampling)
         self.params = model.place_rows(jax.tree.map(jnp.asarray, params))
         c, width = static.config, static.cache_len + static.k + 1
+        span = min(c.sliding_window, width)  # the prompt positions whose streams the MTP block reads
         self.staging = Staged(caches=model.new_caches(1, static.cache_len, headroom),
                               mtp_cache=model.new_mtp_cache(1, static.cache_len, headroom) if static.k else None,
-                              window=jnp.zeros((1, min(c.sliding_window, width), c.hc_mult, c.hidden_size), static.dtype),
+                              window=jnp.zeros((1, span, c.hc_mult, c.hidden_size), static.dtype),
                               last=jnp.zeros((1, c.vocab_size), jnp.float32),
                               prompt=jnp.zeros((1, width), jnp.int32),
                               length=jnp.ones((1,), jnp.int32), limit=jnp.ones((1,), jnp.int32),

@@ -328,8 +328,8 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
     seq = np.zeros((b, max_len + headroom + 1), np.int32)
     seq[np.arange(b), lengths] = [row[0] for row in got]
     with model.mesh_context():
-        loop = Ends(*model.place_rows((seq, np.ones(b, np.int32), np.array(done), np.full(b, max_new_tokens, np.int32))),
-                    stops=jnp.asarray(stop_table(tuple(map(tuple, ends.sequences)))))
+        rows = (seq, np.ones(b, np.int32), np.array(done), np.full(b, max_new_tokens, np.int32))
+        loop = Ends(*model.place_rows(rows), stops=jnp.asarray(stop_table(tuple(map(tuple, ends.sequences)))))
     rounds, counts, chosen = 0, AcceptanceCounts.zeros(max(most, 1)), most
     length = AUTO_SEGMENT if auto else segment_rounds
     while not all(done):
