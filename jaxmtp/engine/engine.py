@@ -19,6 +19,9 @@ Prefix reuse: after a prompt's prefill its whole chunks of cache entries are cop
 keyed by the tokens they depend on (the chunk's tokens and everything before, and the token after
 it, which the MTP layer's entry at the chunk's last position reads); a later prompt that starts
 with the same tokens copies them back instead of running them.
+
+A DeepSeek-V4 model runs on the same engine with its own device side (jaxmtp.engine.v4), whose
+prefix store keeps each chunk's compressed entries and ring buffers as the chunk is prefilled.
 """
 
 from __future__ import annotations
@@ -236,38 +239,28 @@ class PrefixStore:
             found.append(entry)
         return found
 
-    def place_one(self, prompt: Sequence[int], block: int) -> int | None:
-        """An entry for the prompt's chunk `block` where it is not stored yet (evicting the least
-        recently used), else None."""
-        key = self.keys(prompt, block + 1)[block]
+    def _entry(self, key: bytes) -> int | None:
+        """A store entry for a chunk key that is not stored yet, the least recently used evicted
+        where none is free; None for a stored key (marked as just used)."""
         if key in self.index:
             self.index.move_to_end(key)
             return None
         if not self.free:
-            if not self.index:
-                return None
             self.free.append(self.index.popitem(last=False)[1])
         entry = self.free.pop()
         self.index[key] = entry
         return entry
 
+    def place_one(self, prompt: Sequence[int], block: int) -> int | None:
+        """An entry for the prompt's chunk `block` where it is not stored yet, else None."""
+        return self._entry(self.keys(prompt, block + 1)[block])
+
     def place(self, prompt: Sequence[int], blocks: int) -> tuple[list[int], list[int]]:
         """Entries for the prompt's first `blocks` chunks that are not stored yet -> (chunk numbers,
         entries); evicts the least recently used."""
-        chunks, entries = [], []
-        for j, key in enumerate(self.keys(prompt, blocks)):
-            if key in self.index:
-                self.index.move_to_end(key)
-                continue
-            if not self.free:
-                if not self.index:
-                    break
-                self.free.append(self.index.popitem(last=False)[1])
-            entry = self.free.pop()
-            self.index[key] = entry
-            chunks.append(j)
-            entries.append(entry)
-        return chunks, entries
+        placed = [(j, self._entry(key)) for j, key in enumerate(self.keys(prompt, blocks))]
+        placed = [(j, entry) for j, entry in placed if entry is not None]
+        return [j for j, _ in placed], [entry for _, entry in placed]
 
 
 class Engine:

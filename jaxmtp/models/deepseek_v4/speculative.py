@@ -39,7 +39,8 @@ from jaxmtp.sampling import SamplingMode, SamplingParams, choose, log_probabilit
 from jaxmtp.speculative import verify_greedy, verify_sampled
 
 # Rounds per call of the compiled loop at a fixed k (auto's calls run AUTO_SEGMENT, the rounds
-# between its choices): one call's tokens reach the host, and a stream, together.
+# between its choices, in loops of the same length): one call's tokens reach the host, and a
+# stream, together.
 SEGMENT_ROUNDS = 16
 STOP_TABLE = (4, 4)  # the smallest stop table (sequences, tokens), see stop_table
 
@@ -287,7 +288,8 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
     prefilled in chunks of `prefill_chunk` positions (default: one pass). cache_len (positions) and
     headroom (at least the most drafts + 1) size the caches; by default as this call needs, and
     calls with equal sizes share their compiled programs. The rounds run in compiled loops
-    (run_rounds) of segment_rounds rounds at a fixed k, AUTO_SEGMENT with auto.
+    (run_rounds) of segment_rounds rounds at a fixed k; with auto, of AUTO_SEGMENT (or fewer where
+    segment_rounds is smaller), the rounds between its choices.
     Yields, after the prefill and after each round: (each row's new tokens, their
     log-probabilities, the round's k or None for the prefill, its accepted drafts [B] or None)."""
     prompts = checks.prompts(prompts, model.config.vocab_size)
@@ -331,16 +333,19 @@ def decode(model: V4Model, prompts, max_new_tokens: int, k: int | str = 0, *, te
         rows = (seq, np.ones(b, np.int32), np.array(done), np.full(b, max_new_tokens, np.int32))
         loop = Ends(*model.place_rows(rows), stops=jnp.asarray(stop_table(tuple(map(tuple, ends.sequences)))))
     rounds, counts, chosen = 0, AcceptanceCounts.zeros(max(most, 1)), most
-    length = AUTO_SEGMENT if auto else segment_rounds
     while not all(done):
-        if auto:  # rounds is a multiple of AUTO_SEGMENT here: each loop but the last runs that many
-            chosen = min(int(best_k(counts, jnp.asarray(costs, jnp.float32))), chosen + 1 if rounds else 1)
+        todo = segment_rounds
+        if auto:  # k is chosen every AUTO_SEGMENT rounds; a loop does not run past the next choice
+            if rounds % AUTO_SEGMENT == 0:
+                chosen = min(int(best_k(counts, jnp.asarray(costs, jnp.float32))), chosen + 1 if rounds else 1)
+            todo = min(todo, AUTO_SEGMENT - rounds % AUTO_SEGMENT)
         # Every live round adds a token to each live row, so a row is at its limit after
         # max_new_tokens - 1 rounds: no more run, and the caches are sized for that (`sizes`).
+        # One loop length (segment_rounds) for fixed k and auto: their loops at a k > 0 are one program.
         with model.mesh_context():
             loop = loop.replace(done=model.place_rows(jnp.asarray(done)))
-            state, loop, log = run_rounds(c, dtype, chosen, mode, auto and not chosen, length, model.params, sampling,
-                                          state, loop, min(length, max_new_tokens - 1 - rounds))
+            state, loop, log = run_rounds(c, dtype, chosen, mode, auto and not chosen, segment_rounds, model.params,
+                                          sampling, state, loop, min(todo, max_new_tokens - 1 - rounds))
         log = _fetch(log)
         for committed, logprobs, accepted in zip(log.committed[:log.ran], log.logprobs[:log.ran],
                                                  log.accepted[:log.ran]):
@@ -390,7 +395,8 @@ def round_costs(model: V4Model, batch: int, cache_len: int, k_max: int, headroom
     the figures jaxmtp.calibration keeps on disk for this model (config, dtype, how its kept weights
     multiply, its mesh), device and shape, else measured now (`calibration.measure`: each k between
     plain rounds, the median of its repeats) and kept. Rounds are timed in run_rounds' loops of
-    AUTO_SEGMENT, as `decode` runs auto's, each measurement from a copy of one prefilled state."""
+    AUTO_SEGMENT, as `decode` runs auto's (the same programs), each measurement from a copy of one
+    prefilled state."""
     headroom = k_max + 1 if headroom is None else headroom
     mode, c, dtype = SamplingMode(), model.config, model.dtype
     matmuls = sorted({w.matmul for w in jax.tree.leaves(model.params, is_leaf=lambda v: isinstance(v, QuantizedWeight))
@@ -417,7 +423,7 @@ def round_costs(model: V4Model, batch: int, cache_len: int, k_max: int, headroom
         began = time.perf_counter()
         with model.mesh_context():
             for _ in range(calls):
-                *loop, log = run_rounds(c, dtype, k, mode, repair, AUTO_SEGMENT, model.params, sampling, *loop,
+                *loop, log = run_rounds(c, dtype, k, mode, repair, SEGMENT_ROUNDS, model.params, sampling, *loop,
                                         AUTO_SEGMENT)
                 jax.block_until_ready(log)
         return (time.perf_counter() - began) / (calls * AUTO_SEGMENT)
