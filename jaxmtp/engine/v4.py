@@ -139,12 +139,14 @@ def empty_slots(static: V4Static, slots: int, mtp_cache, caches) -> Slots:
 
 
 @partial(jax.jit, static_argnums=0, donate_argnames="staged")
-def stage_begin(static: V4Static, staged: Staged, prompt, length, limit, stops, sampling, key) -> Staged:
-    """A new request in the staging state, its caches emptied: prompt [1, W] (zeros after its length
-    [1]), limit [1], stops [1, N, L], sampling (one row), key [1]."""
-    emptied = jax.tree.map(jnp.zeros_like, (staged.caches, staged.mtp_cache, staged.window, staged.last))
-    return staged.replace(caches=emptied[0], mtp_cache=emptied[1], window=emptied[2], last=emptied[3], prompt=prompt,
-                          length=length, limit=limit, stops=stops, sampling=sampling, key=key)
+def stage_begin(static: V4Static, staged: Staged, empty, prompt, length, limit, stops, sampling, key) -> Staged:
+    """A new request in the staging state, its caches copied from `empty` ((caches, mtp_cache) as
+    new: their rings mark every row unwritten): prompt [1, W] (zeros after its length [1]), limit
+    [1], stops [1, N, L], sampling (one row), key [1]."""
+    caches, mtp_cache = jax.tree.map(jnp.copy, empty)
+    return staged.replace(caches=caches, mtp_cache=mtp_cache, window=jnp.zeros_like(staged.window),
+                          last=jnp.zeros_like(staged.last), prompt=prompt, length=length, limit=limit, stops=stops,
+                          sampling=sampling, key=key)
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="staged")
@@ -331,8 +333,11 @@ class V4Device(Device):
         self.params = model.place_rows(jax.tree.map(jnp.asarray, params))
         c, width = static.config, static.cache_len + static.k + 1
         span = min(c.sliding_window, width)  # the prompt positions whose streams the MTP block reads
-        self.staging = Staged(caches=model.new_caches(1, static.cache_len, headroom),
-                              mtp_cache=model.new_mtp_cache(1, static.cache_len, headroom) if static.k else None,
+        # Empty batch-1 caches, copied into the staging state for each request (stage_begin).
+        self.empty = (model.new_caches(1, static.cache_len, headroom),
+                      model.new_mtp_cache(1, static.cache_len, headroom) if static.k else None)
+        self.staging = Staged(caches=jax.tree.map(jnp.copy, self.empty[0]),
+                              mtp_cache=jax.tree.map(jnp.copy, self.empty[1]),
                               window=jnp.zeros((1, span, c.hc_mult, c.hidden_size), static.dtype),
                               last=jnp.zeros((1, c.vocab_size), jnp.float32),
                               prompt=jnp.zeros((1, width), jnp.int32),
@@ -351,7 +356,7 @@ class V4Device(Device):
                    np.concatenate([seq, stops.ravel()]))
         sampling = SamplingParams(jnp.float32([temperature]), jnp.int32([top_k]), jnp.float32([top_p]),
                                   jnp.array([greedy]))
-        self.staging = stage_begin(self.s.static, self.staging, jnp.asarray(seq, jnp.int32)[None],
+        self.staging = stage_begin(self.s.static, self.staging, self.empty, jnp.asarray(seq, jnp.int32)[None],
                                    jnp.int32([length]), jnp.int32([limit]), jnp.asarray(stops, jnp.int32)[None],
                                    sampling, jax.random.key(seed)[None])
 
