@@ -257,7 +257,7 @@ def test_jaxmtp_generate_and_generate_stream_take_a_v4_model(monkeypatch, tmp_pa
     from jaxmtp import calibration
 
     model = init_v4(DRAFTING, seed=1)
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 3, 1]]
+    prompts = [[1, 2, 3, 4, 5, 6, 7]]  # one row, as generate_stream's below: one set of programs (ragged rows: above)
     plain = model.greedy(prompts, 20)
     out = jaxmtp.generate(model, prompts, max_new_tokens=20, speculative_k=2, return_logprobs=True)
     assert out.tokens == plain

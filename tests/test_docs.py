@@ -53,7 +53,9 @@ LONG_PAGES = {"training.md": "tests/test_train.py runs its training and MTP-only
               "deepseek_v4.md": "tests/test_deepseek_v4.py runs its generate, sampling and stream calls",
               "serving.md": "tests/test_engine.py runs its Engine calls",
               "speculative_decoding.md": "tests/test_generate.py and tests/test_streaming.py make its generate "
-                                         "(k, auto, sampling, stops, GenerationConfig) and stream calls on test models"}
+                                         "(k, auto, sampling, stops, GenerationConfig) and stream calls on test models",
+              "fp8_and_kernels.md": "tests/test_fp8_gemm.py, test_fp8_model.py and test_fp8_checkpoint.py make its "
+                                    "quantize, kernel and kept-weight calls"}
 
 
 @pytest.fixture(scope="session")

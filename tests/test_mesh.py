@@ -247,6 +247,8 @@ def test_fp8_dequantized_on_a_mesh_cuts_through_scale_blocks(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.skipif(not os.environ.get("JAXMTP_LONG_TESTS"), reason="compiles two loops for 8 devices, about 45 "
+                    "CPU-seconds; set JAXMTP_LONG_TESTS=1 to run it")
 def test_plan_compiles_the_auto_loop_and_a_fixed_k_for_an_emulated_mesh_and_counts_the_largest():
     import re
 
