@@ -18,22 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp.decoding import NEVER, Inputs, Static
+from jaxmtp.decoding import Inputs, Static
 from jaxmtp.engine import programs
+from jaxmtp.generation import _fetch  # a collective where a mesh spans several processes: every process runs it
 from jaxmtp.sampling import SamplingParams
 
 FRESH, BEGIN, LOAD, CHUNK, INSERT, STORE, SEGMENT, OCCUPY, NOOP, STOP = range(10)
 HEADER = 8
-
-
-def _fetch(tree):
-    """Device arrays -> numpy, gathered from every process where a mesh spans several (a collective
-    that every process runs at the same point)."""
-    if not all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
-        from jax.experimental import multihost_utils
-
-        tree = multihost_utils.process_allgather(tree, tiled=True)
-    return jax.device_get(tree)
 
 
 def _bits(value: float) -> int:
@@ -134,11 +125,7 @@ class Device:
         self._send(FRESH)
         s = self.s
         self.state = programs.empty_slots(s.static, s.slots)
-        ones = np.ones((s.slots,), np.float32)
-        sampling = SamplingParams(ones, np.ones((s.slots,), np.int32), ones.copy(), np.ones((s.slots,), bool))
-        params = programs.SlotParams(limits=np.ones((s.slots,), np.int32),
-                                     stops=np.full((s.slots, *s.stops), NEVER, np.int32), sampling=sampling)
-        self.params = jax.tree.map(jnp.asarray, params)
+        self.params = jax.tree.map(jnp.asarray, programs.empty_slot_params(s.slots, s.stops))
         self.staging = programs.empty_staging(s.static, s.stops)
         self.pool = None
         if s.prefix_blocks:

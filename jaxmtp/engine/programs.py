@@ -19,10 +19,11 @@ from functools import partial
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmtp.cache import MLACache
-from jaxmtp.decoding import (AUTO_SEGMENT, DecodeState, Drafts, Inputs, Static, _finish, _prefill_chunk, _Prefilled,
-                             _rows_at, decode_round, empty_caches, refill_drafts)
+from jaxmtp.decoding import (AUTO_SEGMENT, NEVER, DecodeState, Drafts, Inputs, Static, _finish, _prefill_chunk,
+                             _Prefilled, _rows_at, decode_round, empty_caches, refill_drafts)
 from jaxmtp.sampling import SamplingMode, SamplingParams
 from jaxmtp.sharding import context_mesh
 
@@ -69,6 +70,21 @@ def _rows(fn, *trees: DecodeState) -> DecodeState:
     return first.replace(tokens=mapped(0, *(t.tokens for t in trees)), caches=caches,
                          drafts=None if first.drafts is None else mapped(0, *(t.drafts for t in trees)),
                          auto=auto, stats=stats, key=mapped(0, *(t.key for t in trees)))
+
+
+def empty_slot_params(slots: int, stops_shape: tuple[int, int]) -> SlotParams:
+    """Settings of `slots` free slots (host arrays): stop tables of stops_shape that match nothing."""
+    ones = np.ones((slots,), np.float32)
+    sampling = SamplingParams(ones, np.ones((slots,), np.int32), ones.copy(), np.ones((slots,), bool))
+    return SlotParams(limits=np.ones((slots,), np.int32), stops=np.full((slots, *stops_shape), NEVER, np.int32),
+                      sampling=sampling)
+
+
+def unbounded(slot_params: SlotParams, live) -> SlotParams:
+    """Calibration's settings: rows where live [B] is set have no token limit and no stop."""
+    big = jnp.iinfo(jnp.int32).max // 2
+    return slot_params.replace(limits=jnp.where(live, big, slot_params.limits),
+                               stops=jnp.where(live[:, None, None], NEVER, slot_params.stops))
 
 
 def _index(axis: int, at):
@@ -251,12 +267,7 @@ def occupy(static: Static, state: DecodeState, slot_params: SlotParams, bucket_r
     live = bucket_rows
     state = state.replace(tokens=t.replace(n=jnp.where(live, position, t.n), count=jnp.where(live, 0, t.count),
                                            done=~live))
-    big = jnp.iinfo(jnp.int32).max // 2
-    from jaxmtp.decoding import NEVER
-
-    slot_params = slot_params.replace(limits=jnp.where(live, big, slot_params.limits),
-                                      stops=jnp.where(live[:, None, None], NEVER, slot_params.stops))
-    return state, slot_params
+    return state, unbounded(slot_params, live)
 
 
 @partial(jax.jit, donate_argnames="pool")

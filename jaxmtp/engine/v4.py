@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp.decoding import NEVER, _finish, _rows_at
+from jaxmtp.decoding import _finish, _rows_at
 from jaxmtp.engine import programs
 from jaxmtp.engine.device import BEGIN, CHUNK, FRESH, INSERT, LOAD, OCCUPY, SEGMENT, STORE, Device, _bits, _fetch
 from jaxmtp.models.deepseek_v4.attention import LayerCache, PoolCache
@@ -104,10 +104,6 @@ def _rows(fn, *trees):
     return first.replace(state=state, **rest)
 
 
-def _index(axis: int, at):
-    return (slice(None),) * axis + (at,)
-
-
 def _finish_state(static: V4Static, params, staged: Staged):
     """The staged request's first token and, with an MTP block and k > 0, its first draft:
     -> (RoundState of one row, the token's log-probability [1])."""
@@ -177,7 +173,7 @@ def insert(static: V4Static, params, slots: Slots, slot_params: programs.SlotPar
                 rounds_at=jnp.zeros((1, static.k + 1), jnp.int32))
 
     def put(axis, full, one):
-        return full.at[_index(axis, slot)].set(jnp.take(one, 0, axis=axis).astype(full.dtype))
+        return full.at[programs._index(axis, slot)].set(jnp.take(one, 0, axis=axis).astype(full.dtype))
 
     slots = _rows(put, slots, row)
     slot_params = jax.tree.map(lambda full, one: full.at[slot].set(one[0].astype(full.dtype)), slot_params,
@@ -234,7 +230,7 @@ def segment(static: V4Static, mode: SamplingMode, bucket: int, window: int, para
             sub = jax.lax.while_loop(running, step, (jnp.int32(0), sub))[1]
     if mode.greedy and probs is not None:
         sub = sub.replace(state=sub.state.replace(draft_probs=probs))
-    slots = _rows(lambda axis, full, part: full.at[_index(axis, slice(0, bucket))].set(part), slots, sub)
+    slots = _rows(lambda axis, full, part: full.at[programs._index(axis, slice(0, bucket))].set(part), slots, sub)
     last = sub.first + sub.count - 1
     at = jnp.clip(last[:, None] - window + 1 + jnp.arange(window), 0, sub.seq.shape[1] - 1)
     report = programs.Report(n=last, count=sub.count, done=sub.done, recent=_rows_at(sub.seq, at),
@@ -251,10 +247,7 @@ def occupy(static: V4Static, slots: Slots, slot_params: programs.SlotParams, buc
     slots = slots.replace(state=slots.state.replace(n=jnp.where(live, position, slots.state.n)),
                           first=jnp.where(live, position + 1, slots.first), count=jnp.where(live, 0, slots.count),
                           done=~live)
-    big = jnp.iinfo(jnp.int32).max // 2
-    slot_params = slot_params.replace(limits=jnp.where(live, big, slot_params.limits),
-                                      stops=jnp.where(live[:, None, None], NEVER, slot_params.stops))
-    return slots, slot_params
+    return slots, programs.unbounded(slot_params, live)
 
 
 def rates(config, caches) -> tuple:
@@ -326,26 +319,19 @@ class V4Device(Device):
         headroom = static.k + 1
         mtp_cache = model.new_mtp_cache(s.slots, static.cache_len, headroom) if static.k else None
         self.state = empty_slots(static, s.slots, mtp_cache, model.new_caches(s.slots, static.cache_len, headroom))
-        ones = np.ones((s.slots,), np.float32)
-        sampling = SamplingParams(ones, np.ones((s.slots,), np.int32), ones.copy(), np.ones((s.slots,), bool))
-        params = programs.SlotParams(limits=np.ones((s.slots,), np.int32),
-                                     stops=np.full((s.slots, *s.stops), NEVER, np.int32), sampling=sampling)
-        self.params = model.place_rows(jax.tree.map(jnp.asarray, params))
+        self.params = model.place_rows(jax.tree.map(jnp.asarray, programs.empty_slot_params(s.slots, s.stops)))
         c, width = static.config, static.cache_len + static.k + 1
         span = min(c.sliding_window, width)  # the prompt positions whose streams the MTP block reads
         # Empty batch-1 caches, copied into the staging state for each request (stage_begin).
         self.empty = (model.new_caches(1, static.cache_len, headroom),
                       model.new_mtp_cache(1, static.cache_len, headroom) if static.k else None)
+        one = jax.tree.map(jnp.asarray, programs.empty_slot_params(1, s.stops))
         self.staging = Staged(caches=jax.tree.map(jnp.copy, self.empty[0]),
                               mtp_cache=jax.tree.map(jnp.copy, self.empty[1]),
                               window=jnp.zeros((1, span, c.hc_mult, c.hidden_size), static.dtype),
-                              last=jnp.zeros((1, c.vocab_size), jnp.float32),
-                              prompt=jnp.zeros((1, width), jnp.int32),
-                              length=jnp.ones((1,), jnp.int32), limit=jnp.ones((1,), jnp.int32),
-                              stops=jnp.full((1, *s.stops), NEVER, jnp.int32),
-                              sampling=SamplingParams(jnp.ones((1,)), jnp.ones((1,), jnp.int32), jnp.ones((1,)),
-                                                      jnp.ones((1,), bool)),
-                              key=jax.random.split(jax.random.key(0), 1))
+                              last=jnp.zeros((1, c.vocab_size), jnp.float32), prompt=jnp.zeros((1, width), jnp.int32),
+                              length=jnp.ones((1,), jnp.int32), limit=one.limits, stops=one.stops,
+                              sampling=one.sampling, key=jax.random.split(jax.random.key(0), 1))
         self.pool = None
         if s.prefix_blocks:
             self.pool = empty_pool(c, self.staging.caches, s.prefix_blocks, s.chunk)
