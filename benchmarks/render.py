@@ -593,6 +593,29 @@ def engine_latency_section() -> str:
             f"{'identical' if reuse['identical_tokens'] else 'NOT identical'}.\n\n" + source(result, "engine_latency") + "\n")
 
 
+def engine_profile_section() -> str:
+    """benchmarks/results/engine_profile.json: where the engine's time goes under a closed-loop load."""
+    result = load("engine_profile")
+    if result is None:
+        return ""
+    f = result["figures"]
+    st = f["settings"]
+    rows = [[i, f"{r['tokens_per_second']:.0f}", f"{r['seconds']:.2f}", f"{r['prefill_seconds']:.2f}",
+             f"{r['decode_seconds']:.2f}", r["segments"], r["rounds"], f"{r['live_rows_by_time']:.1f}",
+             f"{r['bucket_by_time']:.1f}"] for i, r in enumerate(f["runs"])]
+    ideal = st["requests"] * st["max_tokens"] / st["concurrency"]
+    return ("## Where the serving engine's time goes (`benchmarks/engine_profile.py`)\n\n"
+            f"The engine alone (no HTTP), the demo model, {st['concurrency']} slots and {st['concurrency']} clients "
+            f"in a closed loop, {st['requests']} requests per repeat "
+            f"({prompts_label(result, 'prompts of ' + st['prompt_lens'].replace(',', '..') + ' tokens')}), "
+            f"{st['max_tokens']} greedy tokens each, k = {st['speculative_k']}. Prefill: the seconds of prompt "
+            "chunks and insertions; decode: of segments (each waited for, so that they do not overlap). Live rows "
+            "and bucket: per segment, weighted by its time. At full occupancy the requests' tokens would take "
+            f"{ideal:.0f} rounds.\n\n"
+            + table(["repeat", "tok/s", "s", "prefill s", "decode s", "segments", "rounds", "live rows", "bucket"], rows)
+            + f"\n\nMedian: {f['median_tokens_per_second']:.0f} tok/s.\n\n" + source(result, "engine_profile") + "\n")
+
+
 def page() -> str:
     parts = ["# Performance\n\nEvery figure here is rendered by `python benchmarks/render.py` from the results JSON in "
              "`benchmarks/results/`, which holds each run's provenance (commit, versions, device, flags, command, "
@@ -605,7 +628,7 @@ def page() -> str:
              "from the measuring machine's own standard library, whose text differs between Python versions.\n",
              "## Speculative decoding on the demo model\n",
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
-             auto_section(), decode_step_section(), serving_section(), engine_latency_section(), sparse_section(),
+             auto_section(), decode_step_section(), serving_section(), engine_profile_section(), engine_latency_section(), sparse_section(),
              family_section(), v4_loop_section(),
              real_width_section(),
              plans_section(), device_plan_section(), plans_v4_section(), plans_v4_depth_section(), cold_start_section()]

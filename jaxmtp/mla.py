@@ -34,6 +34,9 @@ MIN_BLOCKWISE_QUERIES = 16
 # exceed this many entries (k = 8 past 116K cached tokens). Below it they attend in one product:
 # their scores grow only as the cache does, and a loop over blocks would add kernels to every step.
 MAX_DECODE_SCORES = 1 << 20
+# Passes of at least this many positions per row (prefill chunks; decode and verify passes have k + 1
+# <= 9) attend query-major in the latent space (MLA.attend_absorbed).
+QUERY_MAJOR_POSITIONS = 16
 
 
 def blockwise(queries: int, keys: int) -> bool:
@@ -230,16 +233,26 @@ class MLA(nn.Module):
         w_uk, w_uv = self.up_projections()
         b, t, h, _ = q_nope.shape
         q_latent = self.latent_queries(q_nope, w_uk)
-        # Slot-major, with T and H merged into one axis of query rows: XLA CPU runs a product as
-        # [M, K] x [K, N] and copies an operand laid out otherwise, so the cache is M in the scores and
-        # K in the output product and is never copied. The (small) probabilities are transposed for the
-        # second product so that XLA runs it as a library product, not a loop of its own.
+        # T and H merged into one axis of M query rows. With few positions (decode, verify, drafts) the
+        # products run slot-major, [S, C] x [C, M]: XLA CPU runs a product as [M, K] x [K, N] and
+        # copies an operand laid out otherwise, so the cache is M in the scores and K in the output
+        # product and is never copied; the (small) probabilities are transposed for the second
+        # product so that XLA runs it as a library product, not a loop of its own. With many (a
+        # prefill chunk) they run query-major, [M, C] x [C, S]: copying the cache's slots costs
+        # less than transposing [M, S] probabilities, and the softmax reduces over the minor axis
+        # (benchmarks/decode_step.py --rows 32,128 --cache-len 640 --start 256).
         rows_latent, rows_pe = q_latent.reshape(b, t * h, -1), q_pe.reshape(b, t * h, -1)  # [B, T*H, .]
         keys = [(c_kv, k_pe, mask)] + ([] if own is None else [own])
-        scores = jnp.concatenate([jnp.einsum("bsc,bmc->bsm", c, rows_latent) + jnp.einsum("bsr,bmr->bsm", r, rows_pe)
-                                  for c, r, _ in keys], axis=1)  # [B, S (+ T), T*H]
-        masks = jnp.concatenate([jnp.repeat(m.transpose(0, 2, 1), h, axis=2) for _, _, m in keys], axis=1)
-        probs = self.softmax(scores, masks, axis=1).astype(c_kv.dtype).transpose(0, 2, 1)  # [B, T*H, S (+ T)]
+        if t >= QUERY_MAJOR_POSITIONS:
+            scores = jnp.concatenate([jnp.einsum("bmc,bsc->bms", rows_latent, c) + jnp.einsum("bmr,bsr->bms", rows_pe, r)
+                                      for c, r, _ in keys], axis=2)  # [B, T*H, S (+ T)]
+            masks = jnp.concatenate([jnp.repeat(m, h, axis=1) for _, _, m in keys], axis=2)
+            probs = self.softmax(scores, masks, axis=2).astype(c_kv.dtype)  # [B, T*H, S (+ T)]
+        else:
+            scores = jnp.concatenate([jnp.einsum("bsc,bmc->bsm", c, rows_latent) + jnp.einsum("bsr,bmr->bsm", r, rows_pe)
+                                      for c, r, _ in keys], axis=1)  # [B, S (+ T), T*H]
+            masks = jnp.concatenate([jnp.repeat(m.transpose(0, 2, 1), h, axis=2) for _, _, m in keys], axis=1)
+            probs = self.softmax(scores, masks, axis=1).astype(c_kv.dtype).transpose(0, 2, 1)  # [B, T*H, S (+ T)]
         parts = jnp.split(probs, [c_kv.shape[1]], axis=2)[:len(keys)]
         out_latent = sum(jnp.einsum("bms,bsc->bmc", p, c) for p, (c, _, _) in zip(parts, keys))  # [B, T*H, C]
         out_latent = out_latent.reshape(b, t, h, -1).transpose(2, 0, 1, 3)  # [H, B, T, C]: W_uv's input order

@@ -35,7 +35,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def engine(demo, tokenizer):
-    engine = Engine(demo, tokenizer=tokenizer, slots=8, buckets=(8,), max_len=256, prefill_chunk=CHUNK,
+    engine = Engine(demo, tokenizer=tokenizer, slots=8, buckets=(2, 8), max_len=256, prefill_chunk=CHUNK,
                     segment_rounds=4, prefix_blocks=16, max_queue=64, sampling=False).start()
     yield engine
     engine.shutdown(timeout=5)
@@ -104,6 +104,28 @@ def k_switching(engine, every: float = 0.003):
         engine.force_k(None)
 
 
+@contextlib.contextmanager
+def segments_run(engine):
+    """While the block runs, each segment's (bucket, live slots) is appended to the list it yields."""
+    device, ran = engine._device, []
+    segment = device.segment
+
+    def recorded(**fields):
+        ran.append((fields["bucket"], set(np.flatnonzero(~fields["halt"]).tolist())))
+        return segment(**fields)
+
+    device.segment = recorded
+    try:
+        yield ran
+    finally:
+        del device.segment
+
+
+def gathered(ran, bucket: int) -> bool:
+    """Whether a segment ran in `bucket` with its live rows in slots past the bucket's first rows."""
+    return any(b == bucket and live and max(live) >= bucket for b, live in ran)
+
+
 @pytest.mark.parametrize("k", ["auto", "switching"])
 def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, tokenizer, k):
     """"switching": k flips between 0 and 2 every few milliseconds, so that prompts are prefilled
@@ -125,6 +147,23 @@ def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, token
     if k == "switching":
         ran = {j: n - before.get(j, 0) for j, n in snapshot["rounds_by_k"].items()}
         assert ran.get(0, 0) > 0 and ran.get(2, 0) > 0
+
+
+def test_the_last_rows_run_in_a_small_bucket_from_their_slots(engine, demo, tokenizer):
+    """Eight requests take slots 0..7; the two that run longest (the last two) then decode in the
+    bucket of 2, gathered from their slots, and still equal plain greedy."""
+    prompts = [p[:12] for p in corpus_prompts(tokenizer, 8, seed=3)]
+    limits = [24] * 6 + [64, 64]
+    reference = jaxmtp.generate(demo, prompts, max_new_tokens=64).tokens
+    with segments_run(engine) as ran:
+        collectors = [Collector() for _ in prompts]
+        for p, m, c in zip(prompts, limits, collectors):
+            engine.submit(Request(prompt=tuple(p), max_tokens=m), c)
+        for c in collectors:
+            assert c.done.wait(120)
+    for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
+        assert c.tokens == want[:m], f"request {i} differs from plain greedy"
+    assert gathered(ran, 2), ran
 
 
 def test_prefix_reuse_gives_the_same_tokens(engine, demo, tokenizer):

@@ -11,7 +11,7 @@ from jaxmtp.engine import Engine, Request
 from jaxmtp.errors import InputError
 from jaxmtp.models.deepseek_v4 import init_v4
 from test_deepseek_v4 import SAMPLING, SAMPLING_PROMPT, first_tokens_distribution
-from test_engine import Collector, k_switching, staggered
+from test_engine import Collector, gathered, k_switching, segments_run, staggered
 from test_speculative_sampling import chi_square_p_value
 
 
@@ -23,11 +23,12 @@ def model():
 # The engine's settings; the server of the serve test takes the same, so that one of them compiles
 # the programs and the other loads them from the test run's compile cache (tests/conftest.py).
 SETTINGS = dict(slots=16, max_len=64, prefill_chunk=16, prefix_blocks=8, speculative_k=2)
+BUCKETS = (4, 16)  # the last rows of a load run in the bucket of 4, gathered from their slots
 
 
 @pytest.fixture(scope="module")
 def engine(model):
-    engine = Engine(model, buckets=(16,), max_queue=8192, **SETTINGS)
+    engine = Engine(model, buckets=BUCKETS, max_queue=8192, **SETTINGS)
     engine.start()
     yield engine
     engine.shutdown(timeout=5)
@@ -58,8 +59,26 @@ def test_v4_greedy_requests_under_load_equal_plain_greedy_alone(engine, model):
         np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"request {i}")
     snapshot = engine.snapshot()
     assert snapshot["running"] == 0 and snapshot["waiting"] == 0
-    ran = {j: n - before.get(j, 0) for j, n in snapshot["rounds_by_k"].items()}
-    assert ran.get(0, 0) > 0 and ran.get(2, 0) > 0
+    by_k = {j: n - before.get(j, 0) for j, n in snapshot["rounds_by_k"].items()}
+    assert by_k.get(0, 0) > 0 and by_k.get(2, 0) > 0
+
+
+def test_v4_last_rows_run_in_a_small_bucket_from_their_slots(engine, model):
+    """Sixteen requests take the sixteen slots; the two that run longest (the last two) then decode
+    in the bucket of 4, gathered from their slots, and still equal plain greedy."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, SAMPLING.vocab_size, 8).tolist() for _ in range(16)]
+    limits = [16] * 14 + [48, 48]
+    reference = model.greedy(prompts, max(limits))
+    with segments_run(engine) as ran:
+        collectors = [Collector() for _ in prompts]
+        for p, m, c in zip(prompts, limits, collectors):
+            engine.submit(Request(prompt=tuple(p), max_tokens=m, ignore_eos=True), c)
+        for c in collectors:
+            assert c.done.wait(120)
+    for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
+        assert c.tokens == want[:m], f"request {i} differs from plain greedy"
+    assert gathered(ran, BUCKETS[0]), ran
 
 
 def test_v4_sampled_requests_in_a_mixed_batch_follow_the_model(engine, model):
@@ -130,7 +149,7 @@ def test_jaxmtp_serve_answers_an_openai_client_on_a_v4_checkpoint(tmp_path, mode
     prompts = [[3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 7, 2, 1], [7, 7]]
     want = model.greedy(prompts, 10)
     s = SETTINGS
-    server = Server(tmp_path / "server.log", "--max-batch", str(s["slots"]), "--buckets", str(s["slots"]),
+    server = Server(tmp_path / "server.log", "--max-batch", str(s["slots"]), "--buckets", ",".join(map(str, BUCKETS)),
                     "--max-len", str(s["max_len"]), "--prefill-chunk", str(s["prefill_chunk"]), "--prefix-blocks",
                     str(s["prefix_blocks"]), "--speculative-k", str(s["speculative_k"]), model=str(tmp_path / "v4"))
     try:

@@ -188,10 +188,11 @@ class Device:
         self._send(SEGMENT, (int(greedy), bucket, k, rounds, int(early)),
                    np.concatenate([halt, refill]).astype(np.int32))
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
+        rows = programs.bucket_rows(halt, bucket)
         self.state, self.params, report = programs.segment(
             static, bucket, self.s.window, self.s.params, self.state, self.params, jnp.int32(k), jnp.int32(rounds),
-            jnp.asarray(refill, bool), jnp.asarray(halt), jnp.bool_(early))
-        return _fetch(report)
+            jnp.asarray(refill, bool), jnp.asarray(halt), jnp.bool_(early), jnp.asarray(rows))
+        return programs.by_slot(_fetch(report), rows, self.s.slots)
 
     def compile_segment(self, *, greedy: bool, bucket: int):
         """Compiles the segment program of this mode and bucket ahead of its first call (JAX's
@@ -199,7 +200,7 @@ class Device:
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
         halt = jnp.zeros((self.s.slots,), bool)
         programs.segment.lower(static, bucket, self.s.window, self.s.params, self.state, self.params, jnp.int32(0),
-                               jnp.int32(1), halt, halt, jnp.bool_(False)).compile()
+                               jnp.int32(1), halt, halt, jnp.bool_(False), jnp.arange(bucket, dtype=jnp.int32)).compile()
 
     def occupy(self, rows: np.ndarray, position: int):
         """Calibration: rows [slots] run from `position` without limit (programs.occupy)."""

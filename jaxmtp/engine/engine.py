@@ -2,10 +2,11 @@
 
 Made once from a loaded model, an engine compiles its programs and measures what a round costs at
 each k for each batch bucket (`start`); later calls only run them. Requests wait in a queue, are
-admitted into free slots (the lowest first, so that the live rows stay in a small bucket), and are
-prefilled a chunk at a time between decode segments, so that a long prompt delays the running
+admitted into free slots (the lowest first), and are prefilled a chunk at a time between decode segments, so that a long prompt delays the running
 requests by a chunk per segment rather than by its whole prefill. Each segment runs a bounded
-number of rounds on the live rows at one k, and returns early when a row finishes while requests
+number of rounds on the live rows at one k, in the smallest batch bucket that holds them (gathered
+from their slots where it is smaller than all of them, so that the last rows of a burst do not run
+at the full batch's cost: benchmarks/engine_profile.py), and returns early when a row finishes while requests
 wait for a slot.
 
 k is chosen per segment (`Chooser`): the expected tokens per round of every live row at each k
@@ -866,7 +867,7 @@ class Engine:
     def _decode(self):
         """One segment on the live slots' bucket, at the chosen k; its tokens delivered."""
         live = [s for s, r in enumerate(self._running) if r is not None]
-        bucket = next(b for b in self.buckets if b > live[-1])
+        bucket = next(b for b in self.buckets if b >= len(live))  # on the live slots wherever they are
         mode = "greedy" if all(self._running[s].greedy for s in live) else "mixed"
         if not self.config.sampling:
             mode = "greedy"

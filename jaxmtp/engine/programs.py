@@ -91,6 +91,33 @@ def _index(axis: int, at):
     return (slice(None),) * axis + (at,)
 
 
+def bucket_rows(halt: np.ndarray, bucket: int) -> np.ndarray:
+    """The slots a segment of `bucket` rows runs (host): every slot in order for the largest bucket;
+    for a smaller one the live slots (halt [S] unset), then free ones, each lowest first, so that
+    the rows left in high slots when others finish run in a small bucket. -> [bucket] int32"""
+    if bucket == len(halt):
+        return np.arange(bucket, dtype=np.int32)
+    return np.argsort(halt, kind="stable")[:bucket].astype(np.int32)
+
+
+def take_rows(rows, bucket: int, slots: int):
+    """(take(axis, leaf), put(axis, whole, part)) for a segment's rows [bucket] (bucket_rows):
+    the leaf itself for the largest bucket, else those rows gathered and scattered back."""
+    if bucket == slots:
+        return (lambda axis, x: x), (lambda axis, whole, part: part)
+    return (lambda axis, x: jnp.take(x, rows, axis=axis)), (lambda axis, whole, part: whole.at[_index(axis, rows)].set(part))
+
+
+def by_slot(report, rows: np.ndarray, slots: int):
+    """A segment's host report of its rows [bucket] (in `rows` order) as arrays over every slot [S, ...]
+    (zeros for the slots it did not run)."""
+    def spread(x):
+        full = np.zeros((slots,) + x.shape[1:], x.dtype)
+        full[rows] = x
+        return full
+    return jax.tree.map(spread, report)
+
+
 def empty_slots(static: Static, slots: int) -> tuple[DecodeState, SlotParams]:
     """Every slot free (done, at position 0), one key per row; stop tables of `static`'s shape are
     made by the host (`SlotParams` from `stop_shape`)."""
@@ -205,30 +232,31 @@ class Report:
 
 @partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="state")
 def segment(static: Static, bucket: int, window: int, params, state: DecodeState, slot_params: SlotParams, k,
-            rounds, refill, halt, early):
-    """Up to `rounds` rounds at k (traced, 0..static.k) on rows 0..bucket - 1; fewer once every row
+            rounds, refill, halt, early, rows):
+    """Up to `rounds` rounds at k (traced, 0..static.k) on the slots rows [bucket] (bucket_rows); fewer once every row
     is done, or with `early` once a row that was running finishes (requests wait for its slot).
     refill [B]: rows whose MTP slots of the last AUTO_SEGMENT positions are written and d1 drafted
     afresh first, where k > 0 (their last segment ran at k = 0, or their prefill skipped the MTP
     pass); every row's key is split when any row refills. halt [B]: rows the host ended (or free),
     done before the first round. static.mode: GREEDY (every live row greedy) or MIXED.
 
-    Returns (state, slot_params, Report of the bucket's rows with M = window)."""
+    Returns (state, slot_params, Report of the bucket's rows, in `rows` order, with M = window)."""
     context_mesh(params, "engine.segment")
-    sub = _rows(lambda axis, x: jax.lax.slice_in_dim(x, 0, bucket, axis=axis), state)
-    inputs = jax.tree.map(lambda x: x[:bucket], slot_params)
+    take, put = take_rows(rows, bucket, halt.shape[0])
+    sub = _rows(take, state)
+    inputs = jax.tree.map(lambda x: take(0, x), slot_params)
     probs = None
     if static.mode.greedy and sub.drafts is not None:  # the greedy program carries no draft distributions
         probs = sub.drafts.probs
         sub = sub.replace(drafts=sub.drafts.replace(probs=None))
     t = sub.tokens
-    halted = halt[:bucket]
+    halted = take(0, halt)
     started_done = t.done | halted
     # Halted rows (free, or ended by the host) restart from position 0, so that the attention's
     # prefix (layout.prefix_attention: the shortest holding every row's position) follows the live rows.
     sub = sub.replace(tokens=t.replace(done=started_done, n=jnp.where(halted, 0, t.n)))
     if static.k:
-        stale = refill[:bucket] & ~started_done
+        stale = take(0, refill) & ~started_done
 
         def refilled(sub):
             keys = jax.vmap(jax.random.split)(sub.key)  # [b, 2]
@@ -250,7 +278,7 @@ def segment(static: Static, bucket: int, window: int, params, state: DecodeState
             sub = jax.lax.while_loop(running, step, (jnp.int32(0), sub))[1]
     if probs is not None:
         sub = sub.replace(drafts=sub.drafts.replace(probs=probs))
-    state = _rows(lambda axis, full, part: full.at[_index(axis, slice(0, bucket))].set(part), state, sub)
+    state = _rows(put, state, sub)
     t = sub.tokens
     at = jnp.maximum(t.n[:, None] - window + 1 + jnp.arange(window), 0)
     s = sub.stats

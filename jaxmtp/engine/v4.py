@@ -8,7 +8,7 @@ key per row), with each row's tokens by position, its count of new tokens and it
 (`Slots`), and per-row sampling values, stop table and token limit (`programs.SlotParams`). A
 request is prefilled in a batch-1 staging state (`Staged`) a chunk at a time; `insert` chooses its
 first token, runs the MTP block over the prompt's last positions (its first draft) and copies the
-row into its slot whole. A segment runs up to `rounds` rounds at one k on the first `bucket` rows;
+row into its slot whole. A segment runs up to `rounds` rounds at one k on `bucket` rows (programs.bucket_rows);
 rows that are done keep their position. Auto's rounds at k = 0 repair the MTP cache, as
 `speculative.decode`'s do, so a slot's drafts are never stale: the engine's refill mask is not
 needed here.
@@ -204,18 +204,20 @@ def _round(static: V4Static, j: int, mode: SamplingMode, params, sub: Slots, inp
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames="slots")
 def segment(static: V4Static, mode: SamplingMode, bucket: int, window: int, params, slots: Slots,
-            slot_params: programs.SlotParams, k, rounds, halt, early):
-    """Up to `rounds` rounds at k (traced, 0..static.k) on rows 0..bucket - 1; fewer once every row
+            slot_params: programs.SlotParams, k, rounds, halt, early, rows):
+    """Up to `rounds` rounds at k (traced, 0..static.k) on the slots rows [bucket] (programs.bucket_rows); fewer once every row
     is done, or with `early` once a row that was running finishes. halt [S]: rows the host ended
     (or free), done before the first round. -> (slots, slot_params, programs.Report of the
-    bucket's rows with M = window: the tokens at the M positions up to each row's last new one)."""
+    bucket's rows in `rows` order with M = window: the tokens at the M positions up to each row's last
+    new one)."""
     context_mesh(params, "engine.v4.segment")
-    sub = _rows(lambda axis, x: jax.lax.slice_in_dim(x, 0, bucket, axis=axis), slots)
-    inputs = jax.tree.map(lambda x: x[:bucket], slot_params)
+    take, put = programs.take_rows(rows, bucket, halt.shape[0])
+    sub = _rows(take, slots)
+    inputs = jax.tree.map(lambda x: take(0, x), slot_params)
     probs = sub.state.draft_probs
     if mode.greedy and probs is not None:  # the greedy program carries no draft distributions
         sub = sub.replace(state=sub.state.replace(draft_probs=None))
-    started_done = sub.done | halt[:bucket]
+    started_done = sub.done | take(0, halt)
     sub = sub.replace(done=started_done)
     with jax.named_scope("segment"):
         for j in range(static.k + 1):
@@ -230,7 +232,7 @@ def segment(static: V4Static, mode: SamplingMode, bucket: int, window: int, para
             sub = jax.lax.while_loop(running, step, (jnp.int32(0), sub))[1]
     if mode.greedy and probs is not None:
         sub = sub.replace(state=sub.state.replace(draft_probs=probs))
-    slots = _rows(lambda axis, full, part: full.at[programs._index(axis, slice(0, bucket))].set(part), slots, sub)
+    slots = _rows(put, slots, sub)
     last = sub.first + sub.count - 1
     at = jnp.clip(last[:, None] - window + 1 + jnp.arange(window), 0, sub.seq.shape[1] - 1)
     report = programs.Report(n=last, count=sub.count, done=sub.done, recent=_rows_at(sub.seq, at),
@@ -386,15 +388,17 @@ class V4Device(Device):
         """A decode segment (`segment`; refill is not needed on V4, see the module's docstring)."""
         self._send(SEGMENT, (int(greedy), bucket, k, rounds, int(early)),
                    np.concatenate([halt, refill]).astype(np.int32))
+        rows = programs.bucket_rows(halt, bucket)
         self.state, self.params, report = segment(
             self.s.static, self._mode(greedy), bucket, self.s.window, self.s.params, self.state, self.params,
-            jnp.int32(k), jnp.int32(rounds), jnp.asarray(halt), jnp.bool_(early))
-        return _fetch(report)
+            jnp.int32(k), jnp.int32(rounds), jnp.asarray(halt), jnp.bool_(early), jnp.asarray(rows))
+        return programs.by_slot(_fetch(report), rows, self.s.slots)
 
     def compile_segment(self, *, greedy: bool, bucket: int):
         halt = jnp.zeros((self.s.slots,), bool)
         segment.lower(self.s.static, self._mode(greedy), bucket, self.s.window, self.s.params, self.state,
-                      self.params, jnp.int32(0), jnp.int32(1), halt, jnp.bool_(False)).compile()
+                      self.params, jnp.int32(0), jnp.int32(1), halt, jnp.bool_(False),
+                      jnp.arange(bucket, dtype=jnp.int32)).compile()
 
     def occupy(self, rows: np.ndarray, position: int):
         self._send(OCCUPY, (position,), rows.astype(np.int32))
