@@ -126,8 +126,10 @@ def reference():
 def server(tmp_path_factory, reference, tokenizer):
     directory = tmp_path_factory.mktemp("serve")
     (directory / "chat.jinja").write_text(TEMPLATE)
+    # k = 1 rather than auto (here and in the SIGTERM test's server, which loads these programs from
+    # the compile cache): its programs and calibration cost less; the engine tests run auto.
     s = Server(directory / "server.log", "--max-batch", "2", "--buckets", "2", "--max-len", "512", "--chat-template",
-               str(directory / "chat.jinja"))
+               str(directory / "chat.jinja"), "--speculative-k", "1")
     try:
         for prompt in [*PROMPTS, _chat_prompt(tokenizer)]:  # while the server starts
             reference(_ids(prompt, tokenizer))
@@ -377,7 +379,7 @@ def test_full_queue_no_template_and_sigterm(tmp_path):
     chat request is refused for want of a template; SIGTERM with requests in flight answers 503
     to new ones, ends the running ones (finished or cancelled, never hanging) and exits with 0."""
     s = Server(tmp_path / "server.log", "--max-batch", "2", "--buckets", "2", "--max-len", "512", "--max-queue", "1",
-               "--shutdown-timeout", "1").ready()
+               "--shutdown-timeout", "1", "--speculative-k", "1").ready()
     try:
         client = s.client()
         with pytest.raises(openai.BadRequestError, match="--chat-template"):
