@@ -926,8 +926,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds that running requests get to finish after SIGTERM or SIGINT before they are "
                          "cancelled")
     sv.add_argument("--buckets", type=_sizes,
-                    help="batch sizes compiled, comma-separated, the last = --max-batch; a segment runs the smallest "
-                         "that holds the live requests; default: the powers of two up to --max-batch")
+                    help="batch sizes compiled, comma-separated, the last = --max-batch; a segment runs the one that "
+                         "holds the live requests at the least calibrated cost; default: the powers of two up to "
+                         "--max-batch")
     sv.add_argument("--prefill-chunk", type=_chunk, default=128,
                     help="prompt positions prefilled per step between decode segments (a multiple of 16), and the "
                          "prefix store's block")

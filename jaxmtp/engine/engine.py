@@ -2,12 +2,13 @@
 
 Made once from a loaded model, an engine compiles its programs and measures what a round costs at
 each k for each batch bucket (`start`); later calls only run them. Requests wait in a queue, are
-admitted into free slots (the lowest first), and are prefilled a chunk at a time between decode segments, so that a long prompt delays the running
-requests by a chunk per segment rather than by its whole prefill. Each segment runs a bounded
-number of rounds on the live rows at one k, in the smallest batch bucket that holds them (gathered
-from their slots where it is smaller than all of them, so that the last rows of a burst do not run
-at the full batch's cost: benchmarks/engine_profile.py), and returns early when a row finishes while requests
-wait for a slot.
+admitted into free slots (the lowest first), and are prefilled a chunk at a time between decode
+segments, so that a long prompt delays the running requests by a chunk per segment rather than by
+its whole prefill. Each segment runs a bounded number of rounds on the live rows at one k, in the
+batch bucket that holds them at the least calibrated cost (a bucket smaller than every slot
+gathers its rows from their slots, so that the last rows of a burst do not run at the full batch's
+cost: benchmarks/engine_profile.py), and returns early when a row finishes while requests wait for
+a slot.
 
 k is chosen per segment (`Chooser`): the expected tokens per round of every live row at each k
 (from its own acceptance by draft position, with the engine's pooled acceptance as its prior) over
@@ -867,13 +868,13 @@ class Engine:
     def _decode(self):
         """One segment on the live slots' bucket, at the chosen k; its tokens delivered."""
         live = [s for s, r in enumerate(self._running) if r is not None]
-        bucket = next(b for b in self.buckets if b >= len(live))  # on the live slots wherever they are
         mode = "greedy" if all(self._running[s].greedy for s in live) else "mixed"
         if not self.config.sampling:
             mode = "greedy"
+        furthest = max(self._running[s].prompt_len + self._running[s].delivered for s in live)
+        bucket = self._bucket(mode, len(live), furthest)
         predicted = None
         if self.auto:  # what auto chooses from, and learns from below
-            furthest = max(self._running[s].prompt_len + self._running[s].delivered for s in live)
             predicted = self.round_costs(mode, bucket, furthest)
         if self._forced is not None:
             k = self._forced
@@ -908,6 +909,15 @@ class Engine:
             self._learn_cost(mode, bucket, k, seconds / ran / predicted[k])
         if self.auto and k == 0:
             self._chooser.idle(ran)
+
+    def _bucket(self, mode: str, live: int, furthest: int) -> int:
+        """The bucket a segment of `live` rows runs in: of those that hold them, the one whose
+        calibrated plain round costs least. A bucket smaller than every slot gathers its rows'
+        caches from their slots and scatters them back (programs.take_rows), whole, so that with
+        long caches the largest bucket can cost less than a smaller one
+        (benchmarks/engine_latency.py's round costs at 4,096 positions)."""
+        fits = [b for b in self.buckets if b >= live]
+        return min(fits, key=lambda b: self.round_costs(mode, b, furthest)[0])
 
     def _account(self, slot: int, k: int, report: programs.Report) -> int:
         """A live slot's part of a segment's report: its acceptance counted, its new tokens
