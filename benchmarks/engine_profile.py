@@ -5,11 +5,13 @@ until `--requests` have run (prompts of seeded lengths cut from the held-out exc
 benchmarks/serving.py cuts them; greedy, EOS ignored). Printed per repeat: output tokens/s; the
 seconds the engine's thread spent in prefill (chunks and insertions, each waited for) and in
 decode segments; the segments' rounds, and their live rows and batch bucket, weighted by their
-time. The engine and its programs are made once; a short untimed load warms them first.
+time. With prefill beside the segments (EngineConfig.concurrent_prefill) the two overlap, and so
+do their seconds. `--prefill beside,between` makes an engine of each and alternates their
+repeats. The engines and their programs are made once; a short untimed load warms each first.
 
     python benchmarks/engine_profile.py [--concurrency 16] [--requests 32] [--repeats 3]
                                         [--speculative-k 0|K|auto] [--prompt-lens 32,512]
-                                        [--max-tokens 64] [--json PATH]
+                                        [--max-tokens 64] [--prefill beside,between] [--json PATH]
 
 Run it with PYTHONPATH at another checkout to profile that tree's engine with the same load.
 """
@@ -36,12 +38,12 @@ class Profile:
         self.seconds = collections.Counter()
         self.segments: list[dict] = []
         device = engine._device
-        for name in ("chunk", "insert"):
-            setattr(device, name, self._timed("prefill", getattr(device, name), device))
+        for name, waits in (("chunk", {"decode": False}), ("insert", {"staging": False})):
+            setattr(device, name, self._timed("prefill", getattr(device, name), device, waits))
         segment = device.segment
 
         def logged(**kw):
-            device.ready()
+            device.ready(staging=not engine.concurrent)
             began = time.perf_counter()
             report = segment(**kw)
             seconds = time.perf_counter() - began
@@ -51,12 +53,12 @@ class Profile:
             return report
         device.segment = logged
 
-    def _timed(self, kind, fn, device):
+    def _timed(self, kind, fn, device, waits):
         def timed(*args, **kw):
-            device.ready()
+            device.ready(**waits)
             began = time.perf_counter()
             out = fn(*args, **kw)
-            device.ready()
+            device.ready(**waits)
             self.seconds[kind] += time.perf_counter() - began
             return out
         return timed
@@ -107,6 +109,9 @@ def summary(seconds: float, tokens: int, profile: Profile, rounds: int) -> dict:
             "segment_log": segs}
 
 
+PREFILL = {"beside": True, "between": False}  # --prefill: EngineConfig.concurrent_prefill
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=16)
@@ -115,34 +120,45 @@ def main():
     parser.add_argument("--speculative-k", default="0")
     parser.add_argument("--prompt-lens", default="32,512", help="shortest,longest prompt in tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prefill", default="beside,between",
+                        help="prefill beside the decode segments on a thread of its own, between them, or both "
+                             "(an engine each, their repeats alternating)")
     parser.add_argument("--json", help="write the figures, with their provenance, here")
     args = parser.parse_args()
     lens = tuple(int(x) for x in args.prompt_lens.split(","))
     k = args.speculative_k if args.speculative_k == "auto" else int(args.speculative_k)
+    modes = args.prefill.split(",")
     prompts = make_prompts(tokenizer(), args.requests * (args.repeats + 1), lens=lens, seed=0)
-    engine = Engine(jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True), slots=args.concurrency,
-                    max_len=lens[1] + args.max_tokens, speculative_k=k).start()
-    profile = Profile(engine)
-    closed_loop(engine, prompts[:args.concurrency], args.concurrency, args.max_tokens)  # warm-up, untimed
-    runs = []
+    model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
+    engines = {mode: Engine(model, slots=args.concurrency, max_len=lens[1] + args.max_tokens, speculative_k=k,
+                            concurrent_prefill=PREFILL[mode]).start() for mode in modes}
+    profiles = {mode: Profile(engine) for mode, engine in engines.items()}
+    for engine in engines.values():  # warm-up, untimed
+        closed_loop(engine, prompts[:args.concurrency], args.concurrency, args.max_tokens)
+    runs = {mode: [] for mode in modes}
     for repeat in range(args.repeats):
-        profile.reset()
-        rounds_before = sum(engine.rounds_by_k.values())
         batch = prompts[args.requests * (repeat + 1):args.requests * (repeat + 2)]
-        seconds, tokens = closed_loop(engine, batch, args.concurrency, args.max_tokens)
-        runs.append(summary(seconds, tokens, profile, sum(engine.rounds_by_k.values()) - rounds_before))
-        r = runs[-1]
-        print(f"repeat {repeat}: {r['tokens_per_second']:.0f} tok/s; {r['seconds']:.2f} s: prefill {r['prefill_seconds']:.2f} s, "
-              f"decode {r['decode_seconds']:.2f} s in {r['segments']} segments of {r['rounds']} rounds; live rows "
-              f"{r['live_rows_by_time']:.1f}, bucket {r['bucket_by_time']:.1f} (by time)", flush=True)
-    engine.shutdown()
-    median = statistics.median(r["tokens_per_second"] for r in runs)
-    print(f"median {median:.0f} tok/s over {args.repeats} repeats")
+        for mode, engine in engines.items():
+            profiles[mode].reset()
+            rounds_before = sum(engine.rounds_by_k.values())
+            seconds, tokens = closed_loop(engine, batch, args.concurrency, args.max_tokens)
+            runs[mode].append(summary(seconds, tokens, profiles[mode], sum(engine.rounds_by_k.values()) - rounds_before))
+            r = runs[mode][-1]
+            print(f"repeat {repeat}, prefill {mode}: {r['tokens_per_second']:.0f} tok/s; {r['seconds']:.2f} s: prefill "
+                  f"{r['prefill_seconds']:.2f} s, decode {r['decode_seconds']:.2f} s in {r['segments']} segments of "
+                  f"{r['rounds']} rounds; live rows {r['live_rows_by_time']:.1f}, bucket {r['bucket_by_time']:.1f} "
+                  "(by time)", flush=True)
+    for engine in engines.values():
+        engine.shutdown()
+    medians = {mode: statistics.median(r["tokens_per_second"] for r in runs[mode]) for mode in modes}
+    print("median tok/s over", args.repeats, "repeats:", ", ".join(f"prefill {m} {v:.0f}" for m, v in medians.items()))
     if args.json:
         figures = {"settings": {name: value for name, value in vars(args).items() if name != "json"},
-                   "median_tokens_per_second": median,
-                   "runs": [{name: value for name, value in r.items() if name != "segment_log"} for r in runs]}
-        provenance.write(args.json, "engine_profile", figures, {"segment_logs": [r["segment_log"] for r in runs]},
+                   "median_tokens_per_second": medians,
+                   "runs": {mode: [{name: value for name, value in r.items() if name != "segment_log"} for r in rs]
+                            for mode, rs in runs.items()}}
+        provenance.write(args.json, "engine_profile", figures,
+                         {"segment_logs": {mode: [r["segment_log"] for r in rs] for mode, rs in runs.items()}},
                          args.repeats, prompts_sha256=data.prompts_sha256())
 
 

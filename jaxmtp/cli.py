@@ -33,6 +33,10 @@ class UsageError(Exception):
 _FILE_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
+# jaxmtp serve --prefill: EngineConfig.concurrent_prefill
+PREFILL_MODES = {"auto": None, "beside": True, "between": False}
+
+
 def _user_error(error: BaseException) -> str | None:
     """The one-line report of `error` if it is the user's (bad input), None if it is a bug.
 
@@ -567,7 +571,7 @@ def _serve(args):
                         slots=args.max_batch, max_len=args.max_len or min(longest, 4096),
                         speculative_k=args.speculative_k, max_queue=args.max_queue, buckets=args.buckets,
                         prefill_chunk=args.prefill_chunk, prefix_blocks=args.prefix_blocks,
-                        sampling=not args.greedy_only)
+                        sampling=not args.greedy_only, concurrent_prefill=PREFILL_MODES[args.prefill])
         engine.start()  # on a process other than 0: runs process 0's operations until it shuts down
     if not leader:
         return
@@ -930,8 +934,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "holds the live requests at the least calibrated cost; default: the powers of two up to "
                          "--max-batch")
     sv.add_argument("--prefill-chunk", type=_chunk, default=128,
-                    help="prompt positions prefilled per step between decode segments (a multiple of 16), and the "
-                         "prefix store's block")
+                    help="prompt positions prefilled per step (a multiple of 16), and the prefix store's block")
+    sv.add_argument("--prefill", choices=list(PREFILL_MODES), default="auto",
+                    help="prefill prompts on a thread of their own beside the decode segments, or between them; "
+                         "auto: beside on a CPU with one process and one device, between elsewhere")
     sv.add_argument("--prefix-blocks", type=_non_negative, default=64,
                     help="prompt chunks the prefix store keeps for reuse by later prompts that begin alike; 0 = none")
     sv.add_argument("--greedy-only", action="store_true",

@@ -356,13 +356,20 @@ def _prefill_chunk(static: Static, params, inputs: Inputs, carry: _Prefilled, ke
     last = lengths - 1
     here = (last >= start) & (last < start + chunk)  # [B]: the row's last prompt position is in this chunk
     at = jnp.clip(last - start, 0, chunk - 1)
-    logits = _head(static, params, _row_gather(hidden, at))
-    first, _ = choose(keys[0], logits, static.mode, sampling)
+
+    def sampled(_):
+        logits = _head(static, params, _row_gather(hidden, at))
+        first, _ = choose(keys[0], logits, static.mode, sampling)
+        if not static.logprobs:
+            return first, carry.first_logprob
+        return first, _token_logprobs(static, logits[:, None], first[:, None], sampling)[:, 0]
+
+    # The head and the first token's sampling (its sorts included) only in a chunk that ends some prompt.
+    first, logprob = jax.lax.cond(jnp.any(here), sampled, lambda _: (carry.first, carry.first_logprob), None)
     first = jnp.where(here, first, carry.first)
     seq = carry.seq.at[rows, lengths].set(first)  # rows not yet at their end write the padding back
     carry = carry.replace(seq=seq, caches=caches, first=first)
     if static.logprobs:
-        logprob = _token_logprobs(static, logits[:, None], first[:, None], sampling)[:, 0]
         carry = carry.replace(first_logprob=jnp.where(here, logprob, carry.first_logprob))
     if static.auto:  # the hidden states at positions last - R + 1..last that lie in this chunk
         window = jnp.maximum(last[:, None] - AUTO_SEGMENT + 1 + jnp.arange(AUTO_SEGMENT), 0)  # [B, R]

@@ -18,6 +18,7 @@ import jaxmtp
 from jaxmtp import data
 from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Request
 from jaxmtp.errors import InputError
+from jaxmtp.sharding import make_mesh
 from test_speculative_sampling import CONFIG, PROMPT, VOCAB, chi_square_p_value, exact_distribution
 
 CHUNK = 32
@@ -131,6 +132,7 @@ def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, token
     """"switching": k flips between 0 and 2 every few milliseconds, so that prompts are prefilled
     with and without the MTP pass, segments at k = 2 refill the rows that plain ones left behind,
     and segments at a fixed k run too."""
+    assert engine.concurrent  # on a CPU in one process, prompts are prefilled on a thread beside the segments
     prompts = corpus_prompts(tokenizer, 32)
     limits = [8 + (7 * i) % 33 for i in range(32)]
     reference = jaxmtp.generate(demo, prompts, max_new_tokens=max(limits)).tokens  # rows are independent
@@ -147,6 +149,31 @@ def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, token
     if k == "switching":
         ran = {j: n - before.get(j, 0) for j, n in snapshot["rounds_by_k"].items()}
         assert ran.get(0, 0) > 0 and ran.get(2, 0) > 0
+
+
+def test_prefill_between_segments_under_load_equals_plain_greedy(demo, tokenizer):
+    """concurrent_prefill=False (as with several processes): prompts prefilled a chunk at a time
+    between the segments of two slots, while later requests wait for a slot."""
+    prompts = corpus_prompts(tokenizer, 32)
+    limits = [8 + (7 * i) % 33 for i in range(32)]
+    reference = jaxmtp.generate(demo, prompts, max_new_tokens=max(limits)).tokens  # the test above's shapes
+    engine = Engine(demo, slots=2, buckets=(2,), max_len=256, prefill_chunk=CHUNK, segment_rounds=4, sampling=False,
+                    speculative_k=0, concurrent_prefill=False).start()
+    try:
+        assert not engine.concurrent and engine._prefiller is None
+        collectors = staggered(engine, prompts[:12], limits[:12])
+        for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
+            assert c.tokens == want[:m], f"request {i} differs from plain greedy"
+        assert engine.idle
+    finally:
+        engine.shutdown(timeout=5)
+
+
+def test_concurrent_prefill_needs_one_device(demo):
+    model = jaxmtp.load(jaxmtp.DEMO_MODEL, mesh=make_mesh(data=8))
+    with pytest.raises(InputError, match="concurrent_prefill: needs one process on one device.*8 device"):
+        Engine(model, slots=8, max_len=256, concurrent_prefill=True)
+    assert not Engine(model, slots=8, max_len=256, speculative_k=0).concurrent  # the default, on a mesh
 
 
 def test_the_last_rows_run_in_a_small_bucket_from_their_slots(engine, demo, tokenizer):

@@ -39,7 +39,8 @@ def _float(bits) -> float:
 class Settings:
     """What the device side is specialised on: static (the MIXED loop configuration), params (the
     model's), slots, chunk (prefill chunk and prefix block), window (report tokens), stops (N, L),
-    prefix_blocks (0: no store)."""
+    prefix_blocks (0: no store), stagings (staging states: 2 where prefill runs on a thread of its
+    own, which prefills the next request while the last waits to be inserted)."""
 
     static: Static
     params: object
@@ -48,6 +49,7 @@ class Settings:
     window: int
     stops: tuple[int, int]
     prefix_blocks: int
+    stagings: int = 1
 
 
 class Device:
@@ -127,6 +129,7 @@ class Device:
         self.state = programs.empty_slots(s.static, s.slots)
         self.params = jax.tree.map(jnp.asarray, programs.empty_slot_params(s.slots, s.stops))
         self.staging = programs.empty_staging(s.static, s.stops)
+        self.spares = [programs.empty_staging(s.static, s.stops) for _ in range(s.stagings - 1)]
         self.pool = None
         if s.prefix_blocks:
             def pool(leaf):
@@ -167,13 +170,28 @@ class Device:
         self.staging = programs.stage_chunk(self.s.static, size, draft, self.s.params, self.staging,
                                             jnp.int32(start))
 
-    def insert(self, slot: int) -> tuple[int, float, bool]:
-        """The staged request into `slot` -> (its first token, that token's log-probability, done)."""
+    def insert(self, slot: int, *, staging=None) -> tuple[int, float, bool]:
+        """The staged request (or one handed over, `staging`) into `slot` -> (its first token,
+        that token's log-probability, done)."""
         self._send(INSERT, (slot,))
-        self.state, self.params, first = programs.insert(self.s.static, self.state, self.params, self.staging,
+        staging = self.staging if staging is None else staging
+        self.state, self.params, first = programs.insert(self.s.static, self.state, self.params, staging,
                                                          jnp.int32(slot))
         token, logprob, done = _fetch(first)
         return int(token), float(logprob), bool(done)
+
+    def hand_over(self):
+        """The staging state, prefilled, for a later insert(staging=...); a spare one takes its
+        place (None where there is none until take_back)."""
+        done, self.staging = self.staging, self.spares.pop() if self.spares else None
+        return done
+
+    def take_back(self, staging):
+        """A staging state handed over and inserted, free for the next request."""
+        if self.staging is None:
+            self.staging = staging
+        else:
+            self.spares.append(staging)
 
     def store(self, blocks: np.ndarray, entries: np.ndarray):
         """Staged cache chunks `blocks` into store `entries` (both one per cache chunk; entries at
@@ -208,6 +226,7 @@ class Device:
         self.state, self.params = programs.occupy(self.s.static, self.state, self.params, jnp.asarray(rows),
                                                   jnp.int32(position))
 
-    def ready(self):
-        """Waits for every operation sent so far to finish (for timing)."""
-        jax.block_until_ready((self.state, self.params, self.staging))
+    def ready(self, *, decode: bool = True, staging: bool = True):
+        """Waits for the operations sent so far on the slots (decode) and on the staging state to
+        finish (for timing)."""
+        jax.block_until_ready(((self.state, self.params) if decode else (), self.staging if staging else ()))

@@ -2,9 +2,11 @@
 
 Made once from a loaded model, an engine compiles its programs and measures what a round costs at
 each k for each batch bucket (`start`); later calls only run them. Requests wait in a queue, are
-admitted into free slots (the lowest first), and are prefilled a chunk at a time between decode
-segments, so that a long prompt delays the running requests by a chunk per segment rather than by
-its whole prefill. Each segment runs a bounded number of rounds on the live rows at one k, in the
+admitted into free slots (the lowest first), and are prefilled a chunk at a time: on a CPU with
+one process, on a thread of their own beside the decode segments (a decode step's small kernels
+leave a core mostly idle; two staging states let the next prompt be prefilled while the last waits
+for its slot), elsewhere between segments, so that a long prompt delays the running requests by a
+chunk per segment rather than by its whole prefill (EngineConfig.concurrent_prefill). Each segment runs a bounded number of rounds on the live rows at one k, in the
 batch bucket that holds them at the least calibrated cost (a bucket smaller than every slot
 gathers its rows from their slots, so that the last rows of a burst do not run at the full batch's
 cost: benchmarks/engine_profile.py), and returns early when a row finishes while requests wait for
@@ -40,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
 from jaxmtp import adaptive, checks, compile_cache, streaming
@@ -89,12 +92,26 @@ class EngineConfig:
     stop_length: int = 8
     hysteresis: float = 0.05
     prefill_share: float = 0.5
+    concurrent_prefill: bool | None = None
 
     def bucket_sizes(self) -> tuple[int, ...]:
         if self.buckets is not None:
             return tuple(sorted(set(self.buckets)))
         sizes = [1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots]
         return tuple(sizes + [self.slots])
+
+
+def _concurrent_prefill(wanted: bool | None, model: Model) -> bool:
+    """EngineConfig.concurrent_prefill resolved for this process and model's mesh."""
+    devices = 1 if model.mesh is None else model.mesh.devices.size
+    alone = jax.process_count() == 1 and devices == 1
+    if wanted is None:
+        return alone and jax.default_backend() == "cpu"
+    if wanted and not alone:
+        raise InputError(f"concurrent_prefill: needs one process on one device, found {jax.process_count()} "
+                         f"process(es) and a mesh of {devices} device(s) (other processes replay the leader's "
+                         "operations in one order, and two sharded programs at once would share their devices)")
+    return bool(wanted)
 
 
 def _check_config(c: EngineConfig, model: Model) -> EngineConfig:
@@ -212,6 +229,11 @@ class _Staged:
     start: int
     last: int
     cached: int
+    drafted: bool = True  # whether its last chunk ran the MTP pass
+    prefilled: bool = False  # (concurrent_prefill) its chunks have run, or stopped at a cancellation
+    seconds: float = 0.0  # (concurrent_prefill) the time its chunks took
+    due: float = 0.0  # (concurrent_prefill) when its last chunk is expected to end (time.perf_counter)
+    buffer: object = None  # (concurrent_prefill) its staging state, handed over once prefilled
 
 
 class PrefixStore:
@@ -276,6 +298,7 @@ class Engine:
                  config: EngineConfig | None = None, **options):
         config = dataclasses.replace(config or EngineConfig(), **options)
         self.config = _check_config(config, model)
+        self.concurrent = _concurrent_prefill(self.config.concurrent_prefill, model)
         v4 = self._v4 = _v4(model)
         rates = sorted({model.config.compress_rate(kind) for kind in model.config.layer_types} - {0}) if v4 else []
         if self.config.prefix_blocks and any(self.config.prefill_chunk % rate for rate in rates):
@@ -323,7 +346,7 @@ class Engine:
         self._prefix = PrefixStore(c.prefix_blocks, chunk, lookahead=0 if v4 else 1) if c.prefix_blocks else None
         settings = device.Settings(static=self.static, params=self.model.params, slots=c.slots, chunk=chunk,
                                    window=self.window, stops=(c.stop_sequences, c.stop_length),
-                                   prefix_blocks=c.prefix_blocks)
+                                   prefix_blocks=c.prefix_blocks, stagings=2 if self.concurrent else 1)
         if v4:
             from jaxmtp.engine.v4 import V4Device
 
@@ -338,6 +361,12 @@ class Engine:
         self._admitting = False
         self._stop = False
         self._thread: threading.Thread | None = None
+        # concurrent_prefill: the prefill thread, the signal that hands it the staged request, and
+        # what ended it where it failed
+        self._prefiller: threading.Thread | None = None
+        self._prefilled: collections.deque[_Staged] = collections.deque()  # handed over, waiting for their slots
+        self._prefill_error: BaseException | None = None
+        self._chunk_times: dict[int, float] = {}  # the last chunk's seconds, by size (prefill thread)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._segment_k = 0
@@ -372,6 +401,9 @@ class Engine:
             self._calibrate()
             self._device.fresh()
         self._admitting = True
+        if self.concurrent:
+            self._prefiller = threading.Thread(target=self._prefill_loop, name="jaxmtp-prefill", daemon=True)
+            self._prefiller.start()
         self._thread = threading.Thread(target=self._run, name="jaxmtp-engine", daemon=True)
         self._thread.start()
         return self
@@ -540,7 +572,7 @@ class Engine:
                                 "queues", retry_after=1.0)
             handle = Handle(request, on_event, next(self._ids))
             self._inbox.append(handle)
-            self._lock.notify()
+            self._lock.notify_all()
         return handle
 
     def generate(self, prompts, *, timeout: float | None = None, **fields) -> list[list[int]]:
@@ -582,7 +614,7 @@ class Engine:
     @property
     def idle(self) -> bool:
         with self._lock:
-            return not (self._inbox or self._waiting or self._staged or any(self._running))
+            return not (self._inbox or self._waiting or self._staged or self._prefilled or any(self._running))
 
     def shutdown(self, timeout: float = 30.0):
         """Stops admitting, lets what runs finish for up to `timeout` seconds, cancels the rest and
@@ -593,7 +625,7 @@ class Engine:
             time.sleep(0.01)
         with self._lock:
             self._stop = True
-            self._lock.notify()
+            self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
 
@@ -601,7 +633,7 @@ class Engine:
         """Counts for metrics: queue, slots, token and draft totals, rounds by k, finished by reason."""
         with self._lock:  # each request moves between these states under the lock: counted once
             waiting = len(self._inbox) + len(self._waiting)
-            prefilling = int(self._staged is not None and self._staged.handle.id >= 0)
+            prefilling = int(self._staged is not None and self._staged.handle.id >= 0) + len(self._prefilled)
             running = sum(r is not None for r in self._running) + prefilling
             finished = dict(self.finished)
         return {"waiting": waiting, "running": running, "prefilling": prefilling,
@@ -615,19 +647,24 @@ class Engine:
         with self.model.mesh_context():
             while True:
                 with self._lock:
-                    while not self._stop and not (self._inbox or self._waiting or self._staged or any(self._running)):
+                    while not self._stop and not (self._inbox or self._waiting or self._staged or self._prefilled
+                                                  or any(self._running)):
                         if not self._lock.wait(IDLE_SECONDS):
                             self._device.noop()  # the other processes wait in a collective
-                    if self._stop:
-                        self._device.stop()
-                        break
-                    self._waiting.extend(self._inbox)
-                    self._inbox.clear()
+                    stopping = self._stop
+                    if not stopping:
+                        self._waiting.extend(self._inbox)
+                        self._inbox.clear()
+                if stopping:
+                    self._stop_prefiller()
+                    self._device.stop()
+                    break
                 try:
                     self._step()
                 except Exception as error:  # a bug: end every request with it rather than hang them
                     with self._lock:
                         self._admitting = False  # later submits are refused, not left waiting
+                    self._stop_prefiller()
                     self.failed = f"{type(error).__name__}: {error}"
                     self._fail_all(self.failed)
                     raise
@@ -641,6 +678,9 @@ class Engine:
         of their pace; a queue gets prefill time in proportion, so that it does not wait on
         segments that keep few rows busy."""
         self._drop_cancelled()
+        if self.concurrent:
+            self._step_beside()
+            return
         spent = 0.0
         while True:
             if self._staged is None:
@@ -678,6 +718,7 @@ class Engine:
         with self._lock:
             if slot is not None:
                 self._running[slot] = None
+                self._lock.notify_all()  # the prefill thread may stage a request for it
             if not counted:
                 self.finished[reason] += 1
         self._emit(handle, Event(finish_reason=reason, error=error, prompt_tokens=prompt_tokens,
@@ -693,6 +734,8 @@ class Engine:
             if self._staged is not None:
                 waiting.append(self._staged.handle)
                 self._staged = None
+            waiting.extend(staged.handle for staged in self._prefilled)
+            self._prefilled.clear()
             self.finished[reason] += len(waiting)
         for handle in waiting:
             self._finish(handle, reason, len(handle.request.prompt), 0, error=error, counted=True)
@@ -705,7 +748,7 @@ class Engine:
         with self._lock:
             cancelled = [h for h in self._waiting if h.cancelled]
             self._waiting = collections.deque(h for h in self._waiting if not h.cancelled)
-            if self._staged is not None and self._staged.handle.cancelled:
+            if self._staged is not None and self._staged.handle.cancelled and not self.concurrent:
                 cancelled.append(self._staged.handle)
                 self._staged = None
             self.finished["cancelled"] += len(cancelled)
@@ -723,12 +766,17 @@ class Engine:
         with self._lock:
             if not self._waiting:
                 return
-            free = [s for s, r in enumerate(self._running) if r is None]
+            free = self._free_slots()
             if not free:
                 return
             handle = self._waiting.popleft()
             self._staged = _Staged(handle, free[0], 0, len(handle.request.prompt) - 1, 0)  # no longer waiting
         self._begin(self._staged)
+
+    def _free_slots(self) -> list[int]:
+        """Slots neither running nor held by a request being prefilled or waiting for its slot."""
+        held = {staged.slot for staged in self._prefilled} | ({self._staged.slot} if self._staged else set())
+        return [s for s, r in enumerate(self._running) if r is None and s not in held]
 
     def _begin(self, staged: _Staged):
         """Puts a request into the staging state, with its prefix's chunks copied from the store."""
@@ -787,24 +835,37 @@ class Engine:
         return not self.auto or self._chooser.k != 0
 
     def _stage_step(self):
-        """One prefill chunk of the staged request (the smallest of chunk_sizes that holds what is
-        left, else a whole chunk); after its last, the request takes its slot."""
-        staged = self._staged
-        left = staged.last - staged.start + 1
-        size = next((size for size in self.chunk_sizes if size >= left), self.config.prefill_chunk)
-        drafted = self._drafting()
-        self._device.chunk(staged.start, size, draft=drafted)
+        """One prefill chunk of the staged request; after its last, the request takes its slot."""
+        if self._prefill_chunk(self._staged):
+            self._take_slot(self._staged)
+
+    def _prefill_chunk(self, staged: _Staged) -> bool:
+        """The staged request's next chunk (the smallest of chunk_sizes that holds what is left,
+        else a whole chunk). -> whether it was the prompt's last."""
+        size = self._chunk_plan(staged)[0]
+        staged.drafted = self._drafting()
+        self._device.chunk(staged.start, size, draft=staged.drafted)
         staged.start += size
         if self._v4:  # V4's chunks are stored as they are prefilled (engine.v4: their rings)
             self._store_chunk(staged, (staged.start - size) // self.config.prefill_chunk, size)
-        if staged.start <= staged.last:
-            return
-        token, logprob, done = self._device.insert(staged.slot)
-        self._stale[staged.slot] = not drafted  # the last chunk drafted the first draft, or not
+        return staged.start > staged.last
+
+    def _chunk_plan(self, staged: _Staged) -> list[int]:
+        """The sizes of the staged request's chunks still to run: whole chunks, then the smallest of
+        chunk_sizes that holds the rest."""
+        left, chunk = staged.last - staged.start + 1, self.config.prefill_chunk
+        whole = max(left - 1, 0) // chunk
+        return [chunk] * whole + [next(size for size in self.chunk_sizes if size >= left - whole * chunk)]
+
+    def _take_slot(self, staged: _Staged):
+        """The prefilled request into its slot, its first token delivered, its prefix stored."""
+        token, logprob, done = self._device.insert(staged.slot, staging=staged.buffer)
+        self._stale[staged.slot] = not staged.drafted  # the last chunk drafted the first draft, or not
         if staged.handle.id < 0:  # calibration's request
             self._staged = None
             return
-        self._store_prefix(staged)
+        if not self.concurrent:  # (the prefill thread stores its prefix before handing it over)
+            self._store_prefix(staged)
         request = staged.handle.request
         self.counters["prompt_tokens_total"] += len(request.prompt)
         self.counters["cached_prompt_tokens_total"] += staged.cached
@@ -812,10 +873,90 @@ class Engine:
         running = _Running(staged.handle, len(request.prompt), request.temperature == 0,
                            accepted_at=np.zeros(self.k_max, np.int64), receiver=receiver, cached=staged.cached)
         with self._lock:  # from prefilling to decoding in one step, for snapshot
-            self._staged = None
+            if self._staged is staged:
+                self._staged = None
             self._running[staged.slot] = running
         self._chooser.reset(staged.slot)
         self._deliver(staged.slot, [token], [logprob], done)
+
+    # ----- concurrent_prefill -----
+
+    def _step_beside(self):
+        """One pass with prefill on its own thread: the requests it has prefilled take their slots
+        (or end, cancelled), then a decode segment runs beside its chunks; with nothing to decode,
+        the pass waits for the prefill."""
+        if self._prefill_error is not None:
+            raise RuntimeError(f"prefill failed: {self._prefill_error}") from self._prefill_error
+        with self._lock:
+            ready = list(self._prefilled)
+        for staged in ready:
+            self._busy["prefill"] += staged.seconds
+            if staged.handle.cancelled:
+                with self._lock:
+                    self._prefilled.remove(staged)
+                    self.finished["cancelled"] += 1
+                self._finish(staged.handle, "cancelled", len(staged.handle.request.prompt), 0, counted=True)
+            else:
+                self._take_slot(staged)
+                with self._lock:
+                    self._prefilled.remove(staged)
+            with self._lock:  # its staging state is the prefill thread's again
+                self._device.take_back(staged.buffer)
+                self._lock.notify_all()
+        if any(self._running):
+            self._decode()
+            return
+        with self._lock:
+            if not self._prefilled and not self._stop:
+                self._lock.wait(IDLE_SECONDS)
+
+    def _prefill_loop(self):
+        """The prefill thread: admits a waiting request into a free slot and a free staging state,
+        prefills it chunk by chunk (stopping early where it is cancelled), stores its prefix, and
+        hands it over to the engine's thread to take its slot; then the next, while the engine's
+        thread inserts the last (two staging states). The prefix store is this thread's."""
+        while True:
+            with self._lock:
+                while not self._stop and not (self._device.staging is not None and (self._waiting or self._inbox)
+                                              and self._free_slots()):
+                    self._lock.wait()
+                if self._stop:
+                    return
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                handle = self._waiting.popleft()
+                staged = self._staged = _Staged(handle, self._free_slots()[0], 0, len(handle.request.prompt) - 1, 0)
+            try:
+                self._begin(staged)
+                last = False
+                while not staged.handle.cancelled and not last:
+                    began = time.perf_counter()
+                    plan = self._chunk_plan(staged)
+                    staged.due = began + sum(self._chunk_times.get(size, self.chunk_seconds) for size in plan)
+                    last = self._prefill_chunk(staged)
+                    self._device.ready(decode=False)
+                    seconds = time.perf_counter() - began
+                    self._chunk_times[plan[0]] = seconds
+                    staged.seconds += seconds
+                if last:
+                    self._store_prefix(staged)
+            except Exception as error:  # the engine's thread raises it (_step_beside)
+                self._prefill_error = error
+            with self._lock:
+                staged.buffer = self._device.hand_over()
+                staged.prefilled = True
+                self._staged = None
+                self._prefilled.append(staged)
+                self._lock.notify_all()
+            if self._prefill_error is not None:
+                return
+
+    def _stop_prefiller(self):
+        if self._prefiller is not None:
+            with self._lock:
+                self._stop = True
+                self._lock.notify_all()
+            self._prefiller.join()
 
     def _store_chunk(self, staged: _Staged, chunk: int, size: int):
         """A V4 prompt's chunk `chunk`, just prefilled, into the prefix store where it is a whole
@@ -887,13 +1028,10 @@ class Engine:
         refill = self._stale & (k > 0)
         with self._lock:
             early = bool(self._waiting or self._inbox) and len(live) == self.slots
-        rounds = self.config.segment_rounds
-        if self._staged is not None:  # a prompt is being prefilled between segments: its chunks take at
-            # most prefill_share of a segment, the segment made longer where a chunk takes more
-            share = self.config.prefill_share * self._segment_seconds / self.config.segment_rounds
-            rounds = int(np.clip(np.ceil(self._chunk_seconds / share), rounds, self.max_rounds))
+        rounds = self._segment_rounds()
         self._last_rounds = rounds
-        self._device.ready()  # the segment's time alone, not that of copies still running before it
+        self._device.ready(staging=not self.concurrent)  # the segment's time alone, not that of copies still
+        # running before it (the staging state is the prefill thread's)
         began = time.perf_counter()
         report = self._device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=rounds, refill=refill,
                                       early=early, halt=np.array([r is None for r in self._running]))
@@ -909,6 +1047,21 @@ class Engine:
             self._learn_cost(mode, bucket, k, seconds / ran / predicted[k])
         if self.auto and k == 0:
             self._chooser.idle(ran)
+
+    def _segment_rounds(self) -> int:
+        """Rounds for the next segment: segment_rounds, except while a prompt is prefilled. Between
+        segments its chunks take at most prefill_share of a segment, the segment made longer where
+        a chunk takes more. Beside them (concurrent_prefill) the segment ends about when its last
+        chunk does, so that the request takes its slot without waiting out a whole segment and the
+        prefill thread goes on to the next."""
+        rounds, staged = self.config.segment_rounds, self._staged
+        per_round = self._segment_seconds / rounds
+        if staged is None or staged.prefilled:
+            return rounds
+        if not self.concurrent:
+            share = self.config.prefill_share * per_round
+            return int(np.clip(np.ceil(self._chunk_seconds / share), rounds, self.max_rounds))
+        return int(np.clip(np.ceil((staged.due - time.perf_counter()) / per_round), 1, rounds))
 
     def _bucket(self, mode: str, live: int, furthest: int) -> int:
         """The bucket a segment of `live` rows runs in: of those that hold them, the one whose

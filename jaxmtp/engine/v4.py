@@ -334,6 +334,7 @@ class V4Device(Device):
                               last=jnp.zeros((1, c.vocab_size), jnp.float32), prompt=jnp.zeros((1, width), jnp.int32),
                               length=jnp.ones((1,), jnp.int32), limit=one.limits, stops=one.stops,
                               sampling=one.sampling, key=jax.random.split(jax.random.key(0), 1))
+        self.spares = [jax.tree.map(jnp.copy, self.staging) for _ in range(s.stagings - 1)]
         self.pool = None
         if s.prefix_blocks:
             self.pool = empty_pool(c, self.staging.caches, s.prefix_blocks, s.chunk)
@@ -373,9 +374,10 @@ class V4Device(Device):
         self._send(CHUNK, (start, size, int(draft)))
         self.staging = stage_chunk(self.s.static, size, self.s.params, self.staging, jnp.int32(start))
 
-    def insert(self, slot: int) -> tuple[int, float, bool]:
+    def insert(self, slot: int, *, staging=None) -> tuple[int, float, bool]:
         self._send(INSERT, (slot,))
-        self.state, self.params, first = insert(self.s.static, self.s.params, self.state, self.params, self.staging,
+        staging = self.staging if staging is None else staging
+        self.state, self.params, first = insert(self.s.static, self.s.params, self.state, self.params, staging,
                                                 jnp.int32(slot))
         token, logprob, done = _fetch(first)
         return int(token), float(logprob), bool(done)
