@@ -594,26 +594,35 @@ def engine_latency_section() -> str:
 
 
 def engine_profile_section() -> str:
-    """benchmarks/results/engine_profile.json: where the engine's time goes under a closed-loop load."""
+    """benchmarks/results/engine_profile.json: where the engine's time goes under a closed-loop load,
+    with prefill beside the decode segments and between them."""
     result = load("engine_profile")
     if result is None:
         return ""
     f = result["figures"]
     st = f["settings"]
-    rows = [[i, f"{r['tokens_per_second']:.0f}", f"{r['seconds']:.2f}", f"{r['prefill_seconds']:.2f}",
+    rows = [[mode, i, f"{r['tokens_per_second']:.0f}", f"{r['seconds']:.2f}", f"{r['prefill_seconds']:.2f}",
              f"{r['decode_seconds']:.2f}", r["segments"], r["rounds"], f"{r['live_rows_by_time']:.1f}",
-             f"{r['bucket_by_time']:.1f}"] for i, r in enumerate(f["runs"])]
+             f"{r['bucket_by_time']:.1f}"] for mode, runs in f["runs"].items() for i, r in enumerate(runs)]
     ideal = st["requests"] * st["max_tokens"] / st["concurrency"]
+    medians = f["median_tokens_per_second"]
+    ratio = ""
+    if {"beside", "between"} <= set(medians):
+        ratio = f" Beside against between: {medians['beside'] / medians['between']:.2f}x."
     return ("## Where the serving engine's time goes (`benchmarks/engine_profile.py`)\n\n"
             f"The engine alone (no HTTP), the demo model, {st['concurrency']} slots and {st['concurrency']} clients "
             f"in a closed loop, {st['requests']} requests per repeat "
             f"({prompts_label(result, 'prompts of ' + st['prompt_lens'].replace(',', '..') + ' tokens')}), "
-            f"{st['max_tokens']} greedy tokens each, k = {st['speculative_k']}. Prefill: the seconds of prompt "
-            "chunks and insertions; decode: of segments (each waited for, so that they do not overlap). Live rows "
-            "and bucket: per segment, weighted by its time. At full occupancy the requests' tokens would take "
+            f"{st['max_tokens']} greedy tokens each, k = {st['speculative_k']}, with prompts prefilled on a thread "
+            "of their own beside the decode segments (`beside`, the default on a CPU) and between them "
+            "(`between`): an engine each, their repeats alternating. Prefill: the seconds of prompt chunks and "
+            "insertions; decode: of segments (each waited for; beside, the two overlap). Live rows and bucket: per "
+            "segment, weighted by its time. At full occupancy the requests' tokens would take "
             f"{ideal:.0f} rounds.\n\n"
-            + table(["repeat", "tok/s", "s", "prefill s", "decode s", "segments", "rounds", "live rows", "bucket"], rows)
-            + f"\n\nMedian: {f['median_tokens_per_second']:.0f} tok/s.\n\n" + source(result, "engine_profile") + "\n")
+            + table(["prefill", "repeat", "tok/s", "s", "prefill s", "decode s", "segments", "rounds", "live rows",
+                     "bucket"], rows)
+            + "\n\nMedian tok/s: " + ", ".join(f"{mode} {v:.0f}" for mode, v in medians.items()) + "." + ratio
+            + "\n\n" + source(result, "engine_profile") + "\n")
 
 
 def page() -> str:

@@ -817,6 +817,16 @@ class Engine:
         long against the tokens generated, speculation must gain that much in its rounds to pay."""
         return self.draft_share * self._busy["prefill"] / max(self._busy["decode"], 1e-9)
 
+    def _prefill_bound(self) -> bool:
+        """Whether, with prefill beside the segments, requests wait for the prefill thread while a
+        slot is free for them: the prefill then bounds the throughput, so that speculation's gain in
+        the segments buys nothing while its MTP pass in every prefill chunk costs, and auto decodes
+        plainly (benchmarks/serving.py at concurrency 16)."""
+        if not self.concurrent:
+            return False
+        with self._lock:
+            return bool(self._waiting or self._inbox) and bool(self._free_slots())
+
     def _cost_scales(self, mode: str, bucket: int) -> np.ndarray:
         """Each k's scale of the calibrated cost [k_max + 1] (see _learn_cost)."""
         ratios = [self._cost_ratios[mode, bucket, k] for k in range(self.k_max + 1)]
@@ -1021,7 +1031,10 @@ class Engine:
             k = self._forced
         elif self.auto:
             costs = predicted * self._cost_scales(mode, bucket)
-            costs[1:] *= 1 + self._prefill_overhead()
+            if self._prefill_bound():
+                costs[1:] = np.inf
+            else:
+                costs[1:] *= 1 + self._prefill_overhead()
             k = self._chooser.choose(live, costs)
         else:
             k = self.k_max
