@@ -74,13 +74,15 @@ def test_v4_last_rows_run_in_a_small_bucket_from_their_slots(model):
     prompts = [rng.integers(0, SAMPLING.vocab_size, 8).tolist() for _ in range(16)]
     limits = [16] * 14 + [48, 48]
     reference = model.greedy(prompts, max(limits))
-    with segments_run(engine) as ran:
-        collectors = [Collector() for _ in prompts]
-        for p, m, c in zip(prompts, limits, collectors):
-            engine.submit(Request(prompt=tuple(p), max_tokens=m, ignore_eos=True), c)
-        for c in collectors:
-            assert c.done.wait(120)
-    engine.shutdown(timeout=5)
+    try:
+        with segments_run(engine) as ran:
+            collectors = [Collector() for _ in prompts]
+            for p, m, c in zip(prompts, limits, collectors):
+                engine.submit(Request(prompt=tuple(p), max_tokens=m, ignore_eos=True), c)
+            for c in collectors:
+                assert c.done.wait(120)
+    finally:
+        engine.shutdown(timeout=5)
     for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
         assert c.tokens == want[:m], f"request {i} differs from plain greedy"
     assert gathered(ran, 4), ran

@@ -885,6 +885,8 @@ class Engine:
         with self._lock:  # from prefilling to decoding in one step, for snapshot
             if self._staged is staged:
                 self._staged = None
+            if staged in self._prefilled:
+                self._prefilled.remove(staged)
             self._running[staged.slot] = running
         self._chooser.reset(staged.slot)
         self._deliver(staged.slot, [token], [logprob], done)
@@ -907,9 +909,7 @@ class Engine:
                     self.finished["cancelled"] += 1
                 self._finish(staged.handle, "cancelled", len(staged.handle.request.prompt), 0, counted=True)
             else:
-                self._take_slot(staged)
-                with self._lock:
-                    self._prefilled.remove(staged)
+                self._take_slot(staged)  # out of _prefilled as it takes its slot
             with self._lock:  # its staging state is the prefill thread's again
                 self._device.take_back(staged.buffer)
                 self._lock.notify_all()
@@ -934,10 +934,11 @@ class Engine:
                     return
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
-                handle = self._waiting.popleft()
-                staged = self._staged = _Staged(handle, self._free_slots()[0], 0, len(handle.request.prompt) - 1, 0)
             try:
-                self._begin(staged)
+                self._admit()  # (nothing where the engine's thread has just dropped the waiting, cancelled)
+                staged = self._staged
+                if staged is None:
+                    continue
                 last = False
                 while not staged.handle.cancelled and not last:
                     began = time.perf_counter()
@@ -952,6 +953,7 @@ class Engine:
                     self._store_prefix(staged)
             except Exception as error:  # the engine's thread raises it (_step_beside)
                 self._prefill_error = error
+                staged = self._staged  # (_admit sets it before _begin, the first that can fail)
             with self._lock:
                 staged.buffer = self._device.hand_over()
                 staged.prefilled = True
