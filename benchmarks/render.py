@@ -625,6 +625,30 @@ def engine_profile_section() -> str:
             + "\n\n" + source(result, "engine_profile") + "\n")
 
 
+def prefix_attention_section() -> str:
+    """benchmarks/results/prefix_attention.json: decode rounds and prefill chunks of the serving
+    engine under each scheme of cache prefixes that the CPU layout's attention chooses from."""
+    result = load("prefix_attention")
+    if result is None:
+        return ""
+    f = result["figures"]
+    st, medians = f["settings"], f["medians_seconds"]
+    schemes = list(medians)
+    first = medians[schemes[0]]
+    rows = [[f"round, {key.split('@')[0]} rows from {key.split('@')[1]}"]
+            + [f"{1e3 * medians[s]['rounds'][key]:.2f}" for s in schemes] for key in first["rounds"]]
+    rows += [[f"chunk of {key.split('@')[0]} from {key.split('@')[1]}"]
+             + [f"{1e3 * medians[s]['chunks'][key]:.2f}" for s in schemes] for key in first["chunks"]]
+    prefixes = "; ".join(f"{s}: decode {', '.join(map(str, medians[s]['prefixes']['decode']))}, prefill "
+                         f"{', '.join(map(str, medians[s]['prefixes']['prefill']))}" for s in schemes)
+    return ("## Cache prefixes for attention on a CPU (`benchmarks/prefix_attention.py`)\n\n"
+            f"The serving engine on the demo model (max_len {st['max_len']}), a process per scheme, the processes "
+            "alternating: plain greedy decode rounds (as calibration times them, on seeded random ids) and prefill "
+            "chunks of a held-out prompt, in ms, medians of every timed call. The prefixes each scheme chose from "
+            f"(cache slots): {prefixes}.\n\n"
+            + table(["pass"] + schemes, rows) + "\n\n" + source(result, "prefix_attention") + "\n")
+
+
 def page() -> str:
     parts = ["# Performance\n\nEvery figure here is rendered by `python benchmarks/render.py` from the results JSON in "
              "`benchmarks/results/`, which holds each run's provenance (commit, versions, device, flags, command, "
@@ -637,7 +661,8 @@ def page() -> str:
              "from the measuring machine's own standard library, whose text differs between Python versions.\n",
              "## Speculative decoding on the demo model\n",
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
-             auto_section(), decode_step_section(), serving_section(), engine_profile_section(), engine_latency_section(), sparse_section(),
+             auto_section(), decode_step_section(), serving_section(), engine_profile_section(), engine_latency_section(), prefix_attention_section(),
+             sparse_section(),
              family_section(), v4_loop_section(),
              real_width_section(),
              plans_section(), device_plan_section(), plans_v4_section(), plans_v4_depth_section(), cold_start_section()]

@@ -11,10 +11,11 @@ its parameters in whichever layout it is given (`layout` attribute), so the mode
   sliced out of the stack, which XLA copies (benchmarks/decode_step.py --experts). CPU only:
   XLA:GPU waits for the host on every conditional's predicate, so E x L conditionals would stall a
   GPU step; there the experts stay stacked and few tokens gather their experts' weights.
-- prefix_attention: a decode step attends over the shortest prefix of the cache that holds every
-  query position (SHORTEST_PREFIX slots, doubling; one `lax.switch` branch per prefix), so that the
-  first steps of a long generation skip the slots they have not reached (benchmarks/decode_step.py
-  --prefix-attention). Not a parameter arrangement; CPU only, for split_experts' reason.
+- prefix_attention: a pass attends over the shortest prefix of the cache that holds every query
+  position (one `lax.switch` branch per prefix; `prefix_lengths`), so that the first steps of a
+  long generation, and a prompt's first chunks, skip the slots they have not reached
+  (benchmarks/decode_step.py --prefix-attention, benchmarks/prefix_attention.py). Not a parameter
+  arrangement; CPU only, for split_experts' reason.
 - inputs_first: dense projection weights stored [in, out], because XLA's CPU GEMM re-packs an
   [out, in] weight on every call of two or more rows (benchmarks/decode_step.py). kv_b_proj is
   stored as the per-head products it is read as, `key` [H, N, C] (q_nope -> latent) and `value`
@@ -61,6 +62,11 @@ EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # under each layer's `ex
 # 256 slots keep one branch: over shorter prefixes, what the skipped slots save does not pay for
 # the switch (benchmarks/decode_step.py --prefix-attention).
 SHORTEST_PREFIX = 256
+# Passes of at least this many positions per row (prefill chunks) choose from finer prefixes below
+# FINE_PREFIXES_BELOW slots; longer caches attend blockwise in such passes (mla.KEY_BLOCK), which
+# skips the blocks past a chunk's last position anyway.
+MANY_QUERIES = 16
+FINE_PREFIXES_BELOW = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +103,23 @@ UNROLLED = Layout(unrolled=True)  # layers of their own, weights as stored (FP8-
 REARRANGED = Layout(unrolled=True, inputs_first=True, joint_projections=True, absorbed_queries=True)
 
 
-def prefix_lengths(cache_len: int) -> tuple[int, ...]:
-    """The cache prefixes that prefix attention chooses from: SHORTEST_PREFIX slots, doubling,
-    then the whole cache."""
+def prefix_lengths(cache_len: int, queries: int = 1) -> tuple[int, ...]:
+    """The cache prefixes that prefix attention chooses from for passes of `queries` positions per
+    row: SHORTEST_PREFIX slots, doubling while at most half the cache, then the whole cache: a
+    prefix is copied out of the cache before the products read it, and one of more than half the
+    cache costs a decode step more than the whole cache does (benchmarks/prefix_attention.py). Passes of at least MANY_QUERIES
+    (prefill chunks) choose from finer ones below FINE_PREFIXES_BELOW: SHORTEST_PREFIX / 2 slots,
+    then by steps of x 1.5 and x 4/3 in turn, so that a chunk reads at most half as many slots
+    again as it reaches, where doubling read up to twice as many; copying a prefix out of the cache
+    costs little beside the products of a chunk's many queries over it (benchmarks/prefix_attention.py)."""
     lengths = []
-    while (SHORTEST_PREFIX << len(lengths)) < cache_len:
+    while (SHORTEST_PREFIX << len(lengths) + 1) <= cache_len:
         lengths.append(SHORTEST_PREFIX << len(lengths))
+    if queries >= MANY_QUERIES:
+        shortest = SHORTEST_PREFIX // 2
+        fine = {n for i in range(FINE_PREFIXES_BELOW.bit_length()) for n in (shortest << i, 3 * shortest << i >> 1)}
+        lengths = sorted({n for n in fine if n < min(cache_len, FINE_PREFIXES_BELOW)}
+                         | {n for n in lengths if n >= FINE_PREFIXES_BELOW})
     return (*lengths, cache_len)
 
 

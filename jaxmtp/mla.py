@@ -162,7 +162,7 @@ class MLA(nn.Module):
 
     def attend_cache(self, attend, q_nope, q_pe, cache, positions, selected=None):
         """`attend` over the cache: all its slots, or with `layout.prefix_attention` the shortest of
-        its `prefix_lengths` that holds every query position (one lax.switch branch per prefix);
+        `prefix_lengths` for its T positions that holds every query position (one lax.switch branch per prefix);
         slots past a query's position are masked either way, and so are those that `selected`
         ([B, T, S], the indexer's choice) leaves out. -> [B, T, H, V]"""
         def over(length):
@@ -178,7 +178,8 @@ class MLA(nn.Module):
                 return attend(q_nope, q_pe, c_kv[:, :length].astype(dtype), k_pe[:, :length].astype(dtype), mask)
             return branch
 
-        lengths = prefix_lengths(cache.max_len) if self.layout.prefix_attention else (cache.max_len,)
+        queries = q_nope.shape[1]
+        lengths = prefix_lengths(cache.max_len, queries) if self.layout.prefix_attention else (cache.max_len,)
         operands = (q_nope, q_pe, cache.c_kv, cache.k_pe)
         if len(lengths) == 1:
             return over(lengths[0])(*operands)

@@ -9,6 +9,8 @@ import random
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
@@ -16,7 +18,7 @@ import tokenizers
 import generation_models as gm
 import jaxmtp
 from jaxmtp import data
-from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Request
+from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Request, programs
 from jaxmtp.errors import InputError
 from jaxmtp.sharding import make_mesh
 from test_speculative_sampling import CONFIG, PROMPT, VOCAB, chi_square_p_value, exact_distribution
@@ -149,6 +151,25 @@ def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, token
     if k == "switching":
         ran = {j: n - before.get(j, 0) for j, n in snapshot["rounds_by_k"].items()}
         assert ran.get(0, 0) > 0 and ran.get(2, 0) > 0
+
+
+def test_calibration_rows_carry_tokens_of_their_own(engine):
+    """Calibration times rounds on rows that each read their own seeded random ids
+    (programs.occupy), so that a round of several rows, or a verify pass of several positions, routes
+    to as many experts as text does instead of sending every row to the same ones; the rows outside
+    the bucket are left done, where they were."""
+    static, vocab = engine.static, engine.model.config.vocab_size
+    state = programs.empty_slots(static, 4)
+    params = jax.tree.map(jnp.asarray, programs.empty_slot_params(4, (2, 2)))
+    rows = np.array([True, True, True, False])
+    occupied, _ = programs.occupy(static, state, params, jnp.asarray(rows), jnp.int32(40))
+    seq, n = np.asarray(occupied.tokens.seq), np.asarray(occupied.tokens.n)
+    assert n.tolist() == [40, 40, 40, 0] and np.asarray(occupied.tokens.done).tolist() == [False, False, False, True]
+    assert ((seq >= 0) & (seq < vocab)).all() and not seq[3].any()
+    window = seq[:3, 40:40 + 3 * static.k + 3]  # the tokens the rows' first rounds read
+    assert len({tuple(row) for row in window}) == 3 and len(np.unique(window)) >= window.size // 2
+    again, _ = programs.occupy(static, programs.empty_slots(static, 4), params, jnp.asarray(rows), jnp.int32(40))
+    np.testing.assert_array_equal(np.asarray(again.tokens.seq), seq)  # seeded: every calibration alike
 
 
 def test_prefill_between_segments_under_load_equals_plain_greedy(demo, tokenizer):

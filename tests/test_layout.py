@@ -8,7 +8,8 @@ import pytest
 
 import generation_models as gm
 import jaxmtp
-from jaxmtp.layout import CHECKPOINT, Layout, absorbing_is_no_larger, decode_layout
+from jaxmtp.layout import (CHECKPOINT, FINE_PREFIXES_BELOW, MANY_QUERIES, SHORTEST_PREFIX, Layout,
+                           absorbing_is_no_larger, decode_layout, prefix_lengths)
 from jaxmtp.quant import QuantizedWeight, quantize_params
 
 TOKENS = np.random.default_rng(3).integers(0, gm.TINY.vocab_size, (2, 24))
@@ -140,6 +141,23 @@ def test_layout_rules():
     assert model.decoding().decoding() is model.decoding()
     with pytest.raises(ValueError, match="from the checkpoint layout only"):
         model.decoding().with_layout(CHECKPOINT)
+
+
+@pytest.mark.parametrize("cache_len", [96, 256, 384, 608, 640, 1152, 4096, 5120])
+def test_prefix_lengths(cache_len):
+    """A decode step chooses among prefixes of at most half the cache (a longer one is copied out
+    for less than it saves), then the whole cache; a prefill chunk among prefixes whose steps grow
+    by at most 1.5x below FINE_PREFIXES_BELOW, then the decode steps' doubling. Every pass has one
+    that holds its last position: the last is the whole cache."""
+    decode, chunk = prefix_lengths(cache_len), prefix_lengths(cache_len, queries=MANY_QUERIES)
+    for lengths in decode, chunk:
+        assert lengths[-1] == cache_len and list(lengths) == sorted(set(lengths))
+    assert all(2 * n <= cache_len and n % SHORTEST_PREFIX == 0 for n in decode[:-1])
+    fine = [n for n in chunk if n < min(cache_len, FINE_PREFIXES_BELOW)]
+    if fine:
+        assert fine[0] == SHORTEST_PREFIX // 2
+        assert all(b <= 1.5 * a for a, b in zip(fine, fine[1:] + [min(cache_len, FINE_PREFIXES_BELOW)]))
+    assert [n for n in chunk if n >= FINE_PREFIXES_BELOW] == [n for n in decode if n >= FINE_PREFIXES_BELOW]
 
 
 def test_split_experts_match_the_per_token_formula():

@@ -69,15 +69,18 @@ def test_cached_absorbed_decode_equals_uncached_forward():
 @pytest.mark.parametrize("batch, absorbed_queries", [(2, False), (1, True)])
 def test_prefix_attention_decode_equals_uncached_forward(monkeypatch, batch, absorbed_queries):
     """The CPU decode layout attends over the cache's shortest prefix that holds the query
-    positions (64, 128 or 256 of 256 slots here, with prefixes from 64 slots). Prefill 60 tokens,
-    then decode one by one, with a 3-row pass across slot 64 and one across slot 128: every logit
-    row equals the one-shot causal forward (checkpoint layout, no cache) over all 140 tokens.
+    positions (64, 128 or 256 of 256 slots here, with prefixes from 64 slots; passes of 16 or more
+    positions from finer ones: 32, 48, 64, 96, 128, 192, 256). Prefill 60 tokens, then decode one
+    by one, with a 3-row pass across slot 64, a 20-row one across slot 96 and a 3-row one across
+    slot 128: every logit row equals the one-shot causal forward (checkpoint layout, no cache) over
+    all 140 tokens.
     Batch 1 writes its caches by dynamic_update_slice, batch 2 by scatter (MLACache.write); batch 1
     runs with W_uk folded into the query projection (layout.absorbed_queries), prefill included."""
     monkeypatch.setattr(layout, "SHORTEST_PREFIX", 64)  # read when `apply` below is traced
     model = jaxmtp.init(CONFIG, seed=3)
     decoding = model.with_layout(dataclasses.replace(model.decoding().layout, absorbed_queries=absorbed_queries))
     assert decoding.layout.prefix_attention and prefix_lengths(256) == (64, 128, 256)
+    assert prefix_lengths(256, queries=20) == (32, 48, 64, 96, 128, 192, 256)
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, CONFIG.vocab_size, (batch, 140)), jnp.int32)
     full_logits, _ = model.forward(tokens)
     caches = {g: tuple(MLACache.zeros(CONFIG, None, batch, 256) for _ in range(n)) for g, n in
@@ -85,7 +88,7 @@ def test_prefix_attention_decode_equals_uncached_forward(monkeypatch, batch, abs
     positions = jnp.broadcast_to(jnp.arange(140), (batch, 140))
     apply = jax.jit(lambda p, t, pos, c, absorbed: module(CONFIG, absorbed=absorbed, layout=decoding.layout).apply(
         {"params": p}, t, pos, c), static_argnums=4)
-    starts = [0, *range(60, 63), 63, *range(66, 126), 126, *range(129, 141)]  # chunk i: starts[i]..starts[i + 1] - 1
+    starts = [0, *range(60, 63), 63, *range(66, 90), 90, *range(110, 126), 126, *range(129, 141)]  # chunk i: starts[i]..starts[i + 1] - 1
     rows = []
     for start, stop in zip(starts, starts[1:]):
         logits, _, caches = apply(decoding.params, tokens[:, start:stop], positions[:, start:stop], caches, start > 0)

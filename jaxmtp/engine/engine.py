@@ -420,7 +420,11 @@ class Engine:
         began = time.perf_counter()
         device = self._device
         self._compile_ahead()
-        request = Request(prompt=(0,) * min(self.config.prefill_chunk + 1, self.max_len - 1), max_tokens=1)
+        # A prompt of seeded random ids, for the chunks to be timed routing as text does (see
+        # programs.calibration_tokens).
+        length = min(self.config.prefill_chunk + 1, self.max_len - 1)
+        prompt = np.random.default_rng(programs.CALIBRATION_SEED).integers(self.model.config.vocab_size, size=length)
+        request = Request(prompt=tuple(map(int, prompt)), max_tokens=1)
         handle = Handle(request, lambda event: None, -1)
         self._begin(_Staged(handle, 0, 0, len(request.prompt) - 1, 0))
         while self._staged is not None:

@@ -31,6 +31,7 @@ GREEDY = SamplingMode()
 # The mode of the sampling programs: temperature, top-k and top-p per row (top_k = vocabulary and
 # top_p = 1 turn a row's filters off), greedy rows marked in SamplingParams.greedy.
 MIXED = SamplingMode(greedy=False, top_k=True, top_p=True)
+CALIBRATION_SEED = 0  # of calibration_tokens
 
 
 @flax.struct.dataclass
@@ -290,12 +291,27 @@ def segment(static: Static, bucket: int, window: int, params, state: DecodeState
 @partial(jax.jit, static_argnums=0, donate_argnames="state")
 def occupy(static: Static, state: DecodeState, slot_params: SlotParams, bucket_rows, position):
     """Calibration only: rows where bucket_rows [B] is set run from `position` with no limit or stop
-    (whatever their caches hold), so that a segment times `bucket` live rows; the others are done."""
+    (whatever their caches hold), so that a segment times `bucket` live rows; the others are done.
+    The live rows' tokens (and first drafts) become seeded random ids (calibration_tokens)."""
     t = state.tokens
     live = bucket_rows
-    state = state.replace(tokens=t.replace(n=jnp.where(live, position, t.n), count=jnp.where(live, 0, t.count),
-                                           done=~live))
+    seq = jnp.where(live[:, None], calibration_tokens(static.config.vocab_size, t.seq.shape, position), t.seq)
+    state = state.replace(tokens=t.replace(seq=seq, n=jnp.where(live, position, t.n),
+                                           count=jnp.where(live, 0, t.count), done=~live))
+    if state.drafts is not None:
+        drafts = jnp.where(live, calibration_tokens(static.config.vocab_size, t.n.shape, position + 1),
+                           state.drafts.token)
+        state = state.replace(drafts=state.drafts.replace(token=drafts))
     return state, unbounded(slot_params, live)
+
+
+def calibration_tokens(vocab: int, shape: tuple[int, ...], seed) -> jax.Array:
+    """Seeded random token ids of `shape` for calibration to run on. Ids alike in every row and
+    position (a cache of zeros) would send every token to the same routed experts, and a round of
+    several rows or a verify pass of several positions would be timed running fewer experts than
+    text runs it with: under serving such rounds then cost more than calibration measured, and
+    auto drafted where plain decoding was faster (benchmarks/serving.py at concurrency 1)."""
+    return jax.random.randint(jax.random.fold_in(jax.random.key(CALIBRATION_SEED), seed), shape, 0, vocab, jnp.int32)
 
 
 @partial(jax.jit, donate_argnames="pool")

@@ -244,9 +244,15 @@ def segment(static: V4Static, mode: SamplingMode, bucket: int, window: int, para
 @partial(jax.jit, static_argnums=0, donate_argnames="slots")
 def occupy(static: V4Static, slots: Slots, slot_params: programs.SlotParams, bucket_rows, position):
     """Calibration only: rows where bucket_rows [S] is set run from `position` with no limit or stop
-    (whatever their caches hold); the others are done."""
+    (whatever their caches hold); the others are done. The live rows' tokens and first drafts become
+    seeded random ids (programs.calibration_tokens)."""
     live = bucket_rows
-    slots = slots.replace(state=slots.state.replace(n=jnp.where(live, position, slots.state.n)),
+    state = slots.state
+    vocab, rows = static.config.vocab_size, state.n.shape
+    state = state.replace(n=jnp.where(live, position, state.n),
+                          token=jnp.where(live, programs.calibration_tokens(vocab, rows, position), state.token),
+                          draft=jnp.where(live, programs.calibration_tokens(vocab, rows, position + 1), state.draft))
+    slots = slots.replace(state=state,
                           first=jnp.where(live, position + 1, slots.first), count=jnp.where(live, 0, slots.count),
                           done=~live)
     return slots, programs.unbounded(slot_params, live)
