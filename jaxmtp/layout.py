@@ -105,13 +105,13 @@ REARRANGED = Layout(unrolled=True, inputs_first=True, joint_projections=True, ab
 
 def prefix_lengths(cache_len: int, queries: int = 1) -> tuple[int, ...]:
     """The cache prefixes that prefix attention chooses from for passes of `queries` positions per
-    row: SHORTEST_PREFIX slots, doubling while at most half the cache, then the whole cache: a
-    prefix is copied out of the cache before the products read it, and one of more than half the
-    cache costs a decode step more than the whole cache does (benchmarks/prefix_attention.py). Passes of at least MANY_QUERIES
-    (prefill chunks) choose from finer ones below FINE_PREFIXES_BELOW: SHORTEST_PREFIX / 2 slots,
-    then by steps of x 1.5 and x 4/3 in turn, so that a chunk reads at most half as many slots
-    again as it reaches, where doubling read up to twice as many; copying a prefix out of the cache
-    costs little beside the products of a chunk's many queries over it (benchmarks/prefix_attention.py)."""
+    row: SHORTEST_PREFIX slots, doubling while at most half the cache, then the whole cache. XLA
+    copies a prefix out of the cache before the products read it: a decode round of 8 rows over 512
+    of 640 slots cost more than over all of them (benchmarks/prefix_attention.py). Passes of at
+    least MANY_QUERIES (prefill chunks) choose from finer prefixes below FINE_PREFIXES_BELOW:
+    SHORTEST_PREFIX / 2 slots, then by steps of x 1.5 and x 4/3 in turn, so that a chunk reads at
+    most half as many slots again as it reaches, where doubling read up to twice as many; the copy
+    costs little beside the products of a chunk's many queries (the same benchmark)."""
     lengths = []
     while (SHORTEST_PREFIX << len(lengths) + 1) <= cache_len:
         lengths.append(SHORTEST_PREFIX << len(lengths))

@@ -162,8 +162,8 @@ class MLA(nn.Module):
 
     def attend_cache(self, attend, q_nope, q_pe, cache, positions, selected=None):
         """`attend` over the cache: all its slots, or with `layout.prefix_attention` the shortest of
-        `prefix_lengths` for its T positions that holds every query position (one lax.switch branch per prefix);
-        slots past a query's position are masked either way, and so are those that `selected`
+        the `prefix_lengths` for T positions that holds every query position (one lax.switch branch
+        per prefix); slots past a query's position are masked either way, and so are those that `selected`
         ([B, T, S], the indexer's choice) leaves out. -> [B, T, H, V]"""
         def over(length):
             def branch(q_nope, q_pe, c_kv, k_pe):

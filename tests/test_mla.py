@@ -88,7 +88,8 @@ def test_prefix_attention_decode_equals_uncached_forward(monkeypatch, batch, abs
     positions = jnp.broadcast_to(jnp.arange(140), (batch, 140))
     apply = jax.jit(lambda p, t, pos, c, absorbed: module(CONFIG, absorbed=absorbed, layout=decoding.layout).apply(
         {"params": p}, t, pos, c), static_argnums=4)
-    starts = [0, *range(60, 63), 63, *range(66, 90), 90, *range(110, 126), 126, *range(129, 141)]  # chunk i: starts[i]..starts[i + 1] - 1
+    # chunk i: positions starts[i]..starts[i + 1] - 1
+    starts = [0, *range(60, 63), 63, *range(66, 90), 90, *range(110, 126), 126, *range(129, 141)]
     rows = []
     for start, stop in zip(starts, starts[1:]):
         logits, _, caches = apply(decoding.params, tokens[:, start:stop], positions[:, start:stop], caches, start > 0)

@@ -307,7 +307,7 @@ def occupy(static: Static, state: DecodeState, slot_params: SlotParams, bucket_r
 
 def calibration_tokens(vocab: int, shape: tuple[int, ...], seed) -> jax.Array:
     """Seeded random token ids of `shape` for calibration to run on. Ids alike in every row and
-    position (a cache of zeros) would send every token to the same routed experts, and a round of
+    position (zeros) would send every token to the same routed experts, and a round of
     several rows or a verify pass of several positions would be timed running fewer experts than
     text runs it with: under serving such rounds then cost more than calibration measured, and
     auto drafted where plain decoding was faster (benchmarks/serving.py at concurrency 1)."""
