@@ -172,6 +172,27 @@ def test_calibration_rows_carry_tokens_of_their_own(engine):
     np.testing.assert_array_equal(np.asarray(again.tokens.seq), seq)  # seeded: every calibration alike
 
 
+def test_auto_probes_a_k_whose_cost_it_has_not_measured(engine):
+    """Auto runs a k that no segment has measured yet, where calibration predicts it within
+    PROBE_SHARE of the best, until COST_SEGMENTS_TRUSTED segments have measured it; then the chooser
+    decides. (The module engine is greedy only: no segment ran in the mixed mode.)"""
+    from jaxmtp.engine import engine as engine_module
+
+    key = ("mixed", 8)
+    rates = np.array([1.0, 0.9, 0.5])
+    try:
+        assert engine._probe(*key, rates) == 0  # the best of those not yet measured
+        engine._cost_ratios[(*key, 0)].extend([1.0] * engine_module.COST_SEGMENTS_TRUSTED)
+        assert engine._probe(*key, rates) == 1  # 0.9 of the best
+        engine._cost_ratios[(*key, 1)].extend([1.0] * engine_module.COST_SEGMENTS_TRUSTED)
+        assert engine._probe(*key, rates) is None  # k = 2 predicts half the best: not worth a segment
+        assert engine._probe(*key, np.array([1.0, 0.9, 0.85])) == 2
+        assert engine._probe(*key, np.array([1.0, 0.0, 0.0])) is None  # k > 0 ruled out (prefill bound)
+    finally:
+        for k in range(3):
+            engine._cost_ratios.pop((*key, k), None)
+
+
 def test_prefill_between_segments_under_load_equals_plain_greedy(demo, tokenizer):
     """concurrent_prefill=False (as with several processes): prompts prefilled a chunk at a time
     between the segments of two slots, while later requests wait for a slot."""

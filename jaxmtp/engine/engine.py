@@ -62,6 +62,9 @@ PREFILL_SPREAD = 4
 BUSY_DECAY = 0.95  # per segment, of the recent prefill and decode seconds that _prefill_overhead weighs
 COST_SEGMENTS = 16  # measured segments kept per (mode, bucket, k) to scale calibrated costs by
 COST_SEGMENTS_TRUSTED = 3  # and how many must have run before they do
+# Auto runs a k whose cost no segment has measured yet (COST_SEGMENTS_TRUSTED) where its predicted rate
+# is at least this share of the best k's (see Engine._probe).
+PROBE_SHARE = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -836,6 +839,21 @@ class Engine:
         ratios = [self._cost_ratios[mode, bucket, k] for k in range(self.k_max + 1)]
         return np.array([statistics.median(r) if len(r) >= COST_SEGMENTS_TRUSTED else 1.0 for r in ratios])
 
+    def _probe(self, mode: str, bucket: int, rates: np.ndarray) -> int | None:
+        """A k to run this segment so as to measure its cost, or None: of the k whose cost scale
+        is not yet trusted (fewer than COST_SEGMENTS_TRUSTED measured segments at this mode and
+        bucket), the one of the highest predicted rate (tokens per second, rates [k_max + 1]), if
+        that is at least PROBE_SHARE of the best. Only the k that run are measured: where
+        calibration misjudged a k that auto then never ran (plain rounds cost less under serving
+        than calibration measured, while drafting rounds cost more), auto kept to the others
+        (benchmarks/serving.py at concurrency 1 and 4)."""
+        untrusted = [k for k in range(self.k_max + 1)
+                     if len(self._cost_ratios[mode, bucket, k]) < COST_SEGMENTS_TRUSTED and rates[k] > 0]
+        if not untrusted:
+            return None
+        k = max(untrusted, key=lambda k: rates[k])
+        return k if rates[k] >= PROBE_SHARE * rates.max() else None
+
     def _drafting(self) -> bool:
         """Whether prefill chunks run the MTP pass now: not while auto decodes plainly (k = 0), where
         it would add to every chunk for drafts that no round reads. A prompt prefilled without it
@@ -1041,7 +1059,8 @@ class Engine:
                 costs[1:] = np.inf
             else:
                 costs[1:] *= 1 + self._prefill_overhead()
-            k = self._chooser.choose(live, costs)
+            probe = self._probe(mode, bucket, self._chooser.expected(live) / costs)
+            k = self._chooser.choose(live, costs) if probe is None else probe
         else:
             k = self.k_max
         refill = self._stale & (k > 0)
