@@ -159,16 +159,18 @@ def test_calibration_rows_carry_tokens_of_their_own(engine):
     to as many experts as text does instead of sending every row to the same ones; the rows outside
     the bucket are left done, where they were."""
     static, vocab = engine.static, engine.model.config.vocab_size
-    state = programs.empty_slots(static, 4)
-    params = jax.tree.map(jnp.asarray, programs.empty_slot_params(4, (2, 2)))
-    rows = np.array([True, True, True, False])
+    slots = engine.slots  # the shapes the engine's calibration compiled occupy for
+    state = programs.empty_slots(static, slots)
+    stops = (engine.config.stop_sequences, engine.config.stop_length)
+    params = jax.tree.map(jnp.asarray, programs.empty_slot_params(slots, stops))
+    rows = np.arange(slots) < 3
     occupied, _ = programs.occupy(static, state, params, jnp.asarray(rows), jnp.int32(40))
     seq, n = np.asarray(occupied.tokens.seq), np.asarray(occupied.tokens.n)
-    assert n.tolist() == [40, 40, 40, 0] and np.asarray(occupied.tokens.done).tolist() == [False, False, False, True]
-    assert ((seq >= 0) & (seq < vocab)).all() and not seq[3].any()
+    assert n.tolist() == [40] * 3 + [0] * (slots - 3) and np.asarray(occupied.tokens.done).tolist() == (~rows).tolist()
+    assert ((seq >= 0) & (seq < vocab)).all() and not seq[3:].any()
     window = seq[:3, 40:40 + 3 * static.k + 3]  # the tokens the rows' first rounds read
     assert len({tuple(row) for row in window}) == 3 and len(np.unique(window)) >= window.size // 2
-    again, _ = programs.occupy(static, programs.empty_slots(static, 4), params, jnp.asarray(rows), jnp.int32(40))
+    again, _ = programs.occupy(static, programs.empty_slots(static, slots), params, jnp.asarray(rows), jnp.int32(40))
     np.testing.assert_array_equal(np.asarray(again.tokens.seq), seq)  # seeded: every calibration alike
 
 
@@ -220,16 +222,23 @@ def test_concurrent_prefill_needs_one_device(demo):
 
 def test_the_last_rows_run_in_a_small_bucket_from_their_slots(engine, demo, tokenizer):
     """Eight requests take slots 0..7; the two that run longest (the last two) then decode in the
-    bucket of 2, gathered from their slots, and still equal plain greedy."""
+    bucket of 2, gathered from their slots, and still equal plain greedy. The bucket of 2 is made
+    the cheaper one here, as calibration measures it on a quiet machine: the choice of bucket is
+    timing's, this test is the gathered bucket's tokens."""
     prompts = [p[:12] for p in corpus_prompts(tokenizer, 8, seed=3)]
     limits = [24] * 6 + [64, 64]
     reference = jaxmtp.generate(demo, prompts, max_new_tokens=64).tokens
-    with segments_run(engine) as ran:
-        collectors = [Collector() for _ in prompts]
-        for p, m, c in zip(prompts, limits, collectors):
-            engine.submit(Request(prompt=tuple(p), max_tokens=m), c)
-        for c in collectors:
-            assert c.done.wait(120)
+    calibrated = engine.costs
+    engine.costs = {mode: {**costs, 2: costs[8] / 2} for mode, costs in calibrated.items()}
+    try:
+        with segments_run(engine) as ran:
+            collectors = [Collector() for _ in prompts]
+            for p, m, c in zip(prompts, limits, collectors):
+                engine.submit(Request(prompt=tuple(p), max_tokens=m), c)
+            for c in collectors:
+                assert c.done.wait(120)
+    finally:
+        engine.costs = calibrated
     for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
         assert c.tokens == want[:m], f"request {i} differs from plain greedy"
     assert gathered(ran, 2), ran
