@@ -2,19 +2,19 @@
 `transformers serve --continuous-batching`, on the bundled demo model, as streaming clients see them.
 
 Configurations (`--configs`): `plain`, `k1`, `k2`, `k3` and `auto` are `jaxmtp serve` with
-`--speculative-k 0`, 1, 2, 3 and auto, `--max-batch` the largest concurrency and `--max-len` the
-longest prompt plus `--max-tokens` (and 16); `hf` is `transformers serve --continuous-batching`
-(float32, CPU; it needs the `accelerate` package) on a temporary copy of the demo checkpoint with a
-tokenizer_config.json beside its tokenizer.json (HF drops the MTP layer, which it does not run), its
-KV cache sized to as many positions as jaxmtp's (`hf_blocks`). Each runs as a process of its own
-on a free port of 127.0.0.1. They are started one after another, so that no start (jaxmtp compiles
-and measures its round costs) shares the CPU with another (`--start-together` starts them at once),
-and kept running; each gets `--warmup` requests that are not timed. Then the measured phases run
-in turns: for each load (each `--concurrency`, then the Poisson `--rate`) and each of `--repeats`,
-every configuration in turn, the order rotated by one from one repeat to the next, so that a busy
-spell of a shared machine falls on all of them alike. Each phase records the CPU time of the whole
-machine, of the server and of this process, so that the results show how busy other processes kept
-the machine meanwhile.
+`--speculative-k 0`, 1, 2, 3 and auto, `--max-batch` the largest concurrency, `--max-len` the
+longest prompt plus `--max-tokens` (and 16) and `--replicas` as given (default 1); `hf` is
+`transformers serve --continuous-batching` (float32, CPU; it needs the `accelerate` package) on a
+temporary copy of the demo checkpoint with a tokenizer_config.json beside its tokenizer.json (HF
+drops the MTP layer, which it does not run), its KV cache sized to as many positions as jaxmtp's
+(`hf_blocks`). Each runs as a process of its own on a free port of 127.0.0.1. They are started one
+after another, so that no start (jaxmtp compiles and measures its round costs) shares the CPU with
+another (`--start-together` starts them at once), and kept running; each gets `--warmup` requests
+that are not timed. Then the measured phases run in turns: for each load (each `--concurrency`, then
+the Poisson `--rate`) and each of `--repeats`, every configuration in turn, the order rotated by one
+from one repeat to the next, so that a busy spell of a shared machine falls on all of them alike.
+Each phase records the CPU time of the whole machine, of the server and of this process, so that the
+results show how busy other processes kept the machine meanwhile.
 
 Requests: prompts cut from the shipped held-out excerpts (`jaxmtp.data.benchmark_texts`, encoded as
 `jaxmtp.data.held_out_prompts` encodes them) at seeded random lengths in `--prompt-lens` and
@@ -83,8 +83,9 @@ START_TIMEOUT_S = 900.0
 class Settings:
     """What one run measures. concurrency: the closed-loop loads; rate: the Poisson load's requests
     per second (None: none); requests: per phase (0: 2 x the concurrency, at least 16; 16 at the
-    rate); prompt_lens: (shortest, longest) prompt in tokens; max_batch, max_len: jaxmtp serve's
-    slots and cache length; start_together: start the servers at once (see --start-together)."""
+    rate); prompt_lens: (shortest, longest) prompt in tokens; max_batch, max_len, replicas: jaxmtp
+    serve's slots, cache length and replicas; start_together: start the servers at once (see
+    --start-together)."""
 
     configs: tuple[str, ...]
     concurrency: tuple[int, ...]
@@ -98,6 +99,7 @@ class Settings:
     max_len: int
     seed: int
     start_together: bool = False
+    replicas: int = 1
 
     def requests_at(self, load: Load) -> int:
         if self.requests:
@@ -265,7 +267,7 @@ def hf_command(workdir: str, port: int, settings: Settings) -> list[str]:
 def jaxmtp_command(config: str, port: int, settings: Settings) -> list[str]:
     return [sys.executable, "-m", "jaxmtp.cli", "serve", jaxmtp.DEMO_MODEL, "--host", HOST, "--port", str(port),
             "--speculative-k", JAXMTP_K[config], "--max-batch", str(settings.max_batch),
-            "--max-len", str(settings.max_len), "--quiet"]
+            "--max-len", str(settings.max_len), "--replicas", str(settings.replicas), "--quiet"]
 
 
 def launch(config: str, settings: Settings, workdir: str) -> Server:
@@ -636,8 +638,9 @@ def invocation(server: Server, settings: Settings) -> str:
     if server.is_hf:
         return (f"transformers serve DEMO_COPY --continuous-batching --device cpu --dtype float32 "
                 f"--cb-num-blocks {hf_blocks(settings)}")
+    replicas = f" --replicas {settings.replicas}" if settings.replicas > 1 else ""
     return (f"jaxmtp serve DEMO --speculative-k {JAXMTP_K[server.config]} --max-batch {settings.max_batch} "
-            f"--max-len {settings.max_len}")
+            f"--max-len {settings.max_len}{replicas}")
 
 
 def figures_of(settings: Settings, servers: list[Server], phases: list[dict], greedy: dict, tok) -> dict:
@@ -661,7 +664,7 @@ def figures_of(settings: Settings, servers: list[Server], phases: list[dict], gr
                        "distinct offsets) cut from the held-out excerpts",
             "max_tokens": settings.max_tokens, "repeats": settings.repeats, "warmup": settings.warmup,
             "seed": settings.seed, "max_batch": settings.max_batch, "max_len": settings.max_len,
-            "start_together": settings.start_together,
+            "replicas": settings.replicas, "start_together": settings.start_together,
             "configs": configs, "rows": rows, "greedy": greedy,
             "hf_prompt_length_mismatches": hf_prompt_checks(phases)}
 
@@ -755,6 +758,8 @@ def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests per server before measuring")
     parser.add_argument("--prompt-lens", type=_ints, default=(32, 512), help="shortest,longest prompt in tokens")
     parser.add_argument("--max-batch", type=int, help="jaxmtp serve --max-batch (default: the largest concurrency)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="jaxmtp serve --replicas (engines of --max-batch / N slots each); must divide --max-batch")
     parser.add_argument("--seed", type=int, default=0, help="of the prompts' lengths and offsets and the arrivals")
     parser.add_argument("--start-together", action="store_true",
                         help="start the servers at once, not one after another: quicker, but their compiles and "
@@ -771,7 +776,7 @@ def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
         args.warmup, args.prompt_lens, args.rate, args.start_together = 1, (16, 64), None, True
     if args.rate is not None and args.rate <= 0:
         parser.error(f"--rate {args.rate}: expected a positive number of requests per second")
-    for name in ("requests", "max_tokens", "repeats", "warmup", "max_batch"):
+    for name in ("requests", "max_tokens", "repeats", "warmup", "max_batch", "replicas"):
         value = getattr(args, name)
         if value is not None and value < (0 if name in ("requests", "warmup") else 1):
             parser.error(f"--{name.replace('_', '-')} {value}: out of range")
@@ -781,7 +786,9 @@ def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
                         max_tokens=args.max_tokens, repeats=args.repeats, warmup=args.warmup,
                         prompt_lens=args.prompt_lens, max_batch=args.max_batch or max(args.concurrency),
                         max_len=args.prompt_lens[1] + args.max_tokens + 16, seed=args.seed,
-                        start_together=args.start_together)
+                        start_together=args.start_together, replicas=args.replicas)
+    if settings.max_batch % settings.replicas:
+        parser.error(f"--replicas {settings.replicas}: does not divide --max-batch {settings.max_batch}")
     return settings, args
 
 

@@ -80,17 +80,25 @@ def token_ids(name: str, value, vocab_size: int):
     """A [B, T] integer array of token ids in [0, vocab_size), as int32. Traced values (inside a
     caller's jit) and arrays spanning several processes are checked for shape and dtype only."""
     if not isinstance(value, jax.core.Tracer) and not (isinstance(value, jax.Array) and not value.is_fully_addressable):
-        value = np.asarray(value)
-        if value.dtype == object or not np.issubdtype(value.dtype, np.integer):
-            raise ArgumentTypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
-        if value.size and not (0 <= value.min() and value.max() < vocab_size):
-            bad = value[(value < 0) | (value >= vocab_size)].flat[0]
-            raise InputError(f"{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
+        value = host_token_ids(name, value, vocab_size)
     elif not np.issubdtype(value.dtype, np.integer):
         raise ArgumentTypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
     if value.ndim != 2:
         raise InputError(f"{name}: expected shape [batch, length], found {tuple(value.shape)}")
     return jax.numpy.asarray(value, jax.numpy.int32)
+
+
+def host_token_ids(name: str, value, vocab_size: int) -> np.ndarray:
+    """token_ids' checks of a host value, which stays on the host: -> the ids as a numpy int32
+    array of the value's shape. (Converting on the device would compile a program for each new
+    shape: the serving engine checks every request's prompt with this.)"""
+    value = np.asarray(value)
+    if value.dtype == object or not np.issubdtype(value.dtype, np.integer):
+        raise ArgumentTypeError(f"{name}: expected integer token ids, found dtype {value.dtype}")
+    if value.size and not (0 <= value.min() and value.max() < vocab_size):
+        bad = value[(value < 0) | (value >= vocab_size)].flat[0]
+        raise InputError(f"{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
+    return value.astype(np.int32)
 
 
 def eos_ids(value, vocab_size: int) -> tuple[int, ...]:

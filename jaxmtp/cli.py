@@ -542,12 +542,18 @@ def _serve(args):
     """Loads the model, starts the engine (compiling and measuring, with progress on stderr), then
     serves the OpenAI-compatible API until SIGTERM or SIGINT has drained it (jaxmtp.serve)."""
     from jaxmtp import compile_cache
-    from jaxmtp.engine import Engine
+    from jaxmtp.engine import Engine, Replicas
     from jaxmtp.generation_config import GenerationConfig
     from jaxmtp.serve import Defaults, bind, create_app, serve
 
     model_dir = DEMO_MODEL if args.model == "demo" else args.model
     name = args.served_model_name or ("demo" if args.model == "demo" else os.path.basename(os.path.normpath(model_dir)))
+    if args.replicas > 1 and (args.mesh or args.distributed):
+        raise UsageError(f"--replicas {args.replicas}: replicas run in one process on one device, not with "
+                         f"{'--mesh' if args.mesh else '--distributed'}")
+    if args.max_batch % args.replicas:
+        raise UsageError(f"--replicas {args.replicas}: --max-batch {args.max_batch} does not divide into "
+                         f"{args.replicas} replicas' slots")
     template = _serve_template(args, model_dir)  # a bad template or port is refused before the weights are read
     leader = jax.process_index() == 0  # with --distributed, process 0 serves and the others follow it
     try:
@@ -566,12 +572,12 @@ def _serve(args):
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     compile_cache.enable()  # a restarted server loads the programs it compiled before
     with _Progress(quiet=args.quiet) as progress:
-        engine = Engine(model, tokenizer=_tokenizer(model_dir),
-                        eos_token_id=model.config.eos_token_id if eos is None else eos, progress=progress,
-                        slots=args.max_batch, max_len=args.max_len or min(longest, 4096),
-                        speculative_k=args.speculative_k, max_queue=args.max_queue, buckets=args.buckets,
-                        prefill_chunk=args.prefill_chunk, prefix_blocks=args.prefix_blocks,
-                        sampling=not args.greedy_only, concurrent_prefill=PREFILL_MODES[args.prefill])
+        options = dict(tokenizer=_tokenizer(model_dir), eos_token_id=model.config.eos_token_id if eos is None else eos,
+                       progress=progress, slots=args.max_batch, max_len=args.max_len or min(longest, 4096),
+                       speculative_k=args.speculative_k, max_queue=args.max_queue, buckets=args.buckets,
+                       prefill_chunk=args.prefill_chunk, prefix_blocks=args.prefix_blocks,
+                       sampling=not args.greedy_only, concurrent_prefill=PREFILL_MODES[args.prefill])
+        engine = Replicas(model, replicas=args.replicas, **options) if args.replicas > 1 else Engine(model, **options)
         engine.start()  # on a process other than 0: runs process 0's operations until it shuts down
     if not leader:
         return
@@ -903,6 +909,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=lambda text: _whole(text, 0, 65535), default=8000,
                     help="port to listen on; 0 = a free one, which the ready line names")
     sv.add_argument("--max-batch", type=_positive, default=16, help="requests decoded at once (the engine's slots)")
+    sv.add_argument("--replicas", type=_positive, default=1,
+                    help="engines sharing the model, each with --max-batch / N slots and threads of its own; a request "
+                         "goes to the one holding its prompt's prefix, else the least busy. XLA runs one program on one "
+                         "CPU core, so on a CPU two replicas decode on two cores; one process on one device only")
     sv.add_argument("--max-len", type=_positive,
                     help="prompt plus new tokens of a request, at most; default: the model's max_position_embeddings, "
                          "at most 4096")
@@ -930,9 +940,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds that running requests get to finish after SIGTERM or SIGINT before they are "
                          "cancelled")
     sv.add_argument("--buckets", type=_sizes,
-                    help="batch sizes compiled, comma-separated, the last = --max-batch; a segment runs the one that "
-                         "holds the live requests at the least calibrated cost; default: the powers of two up to "
-                         "--max-batch")
+                    help="batch sizes compiled, comma-separated, the last = --max-batch (a replica's slots with "
+                         "--replicas); a segment runs the one that holds the live requests at the least calibrated "
+                         "cost; default: the powers of two up to that")
     sv.add_argument("--prefill-chunk", type=_chunk, default=128,
                     help="prompt positions prefilled per step (a multiple of 16), and the prefix store's block")
     sv.add_argument("--prefill", choices=list(PREFILL_MODES), default="auto",

@@ -18,7 +18,7 @@ import tokenizers
 import generation_models as gm
 import jaxmtp
 from jaxmtp import data
-from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Request, programs
+from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Replicas, Request, programs
 from jaxmtp.errors import InputError
 from jaxmtp.sharding import make_mesh
 from test_speculative_sampling import CONFIG, PROMPT, VOCAB, chi_square_p_value, exact_distribution
@@ -42,6 +42,15 @@ def engine(demo, tokenizer):
                     segment_rounds=4, prefix_blocks=16, max_queue=64, sampling=False).start()
     yield engine
     engine.shutdown(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def mixed(demo, tokenizer):
+    """32 held-out prompts of mixed lengths, their max_tokens, and their plain greedy tokens (rows
+    are independent: one generate call for all)."""
+    prompts = corpus_prompts(tokenizer, 32)
+    limits = [8 + (7 * i) % 33 for i in range(32)]
+    return prompts, limits, jaxmtp.generate(demo, prompts, max_new_tokens=max(limits)).tokens
 
 
 def corpus_prompts(tokenizer, count, seed=0):
@@ -84,6 +93,24 @@ def staggered(engine, prompts, limits, **fields):
     for c in collectors:
         assert c.done.wait(120), "a request never finished"
     return collectors
+
+
+@contextlib.contextmanager
+def nothing_compiled():
+    """Fails the block if any program is traced and lowered while it runs (an eager operation on a
+    new shape, a jitted program not compiled at start): a started engine compiles nothing more."""
+    lowered = []
+
+    def listener(event, seconds, **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not lowered, f"{len(lowered)} programs compiled after the engine started"
 
 
 @contextlib.contextmanager
@@ -130,17 +157,15 @@ def gathered(ran, bucket: int) -> bool:
 
 
 @pytest.mark.parametrize("k", ["auto", "switching"])
-def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, demo, tokenizer, k):
+def test_greedy_requests_under_load_equal_plain_greedy_alone(engine, mixed, k):
     """"switching": k flips between 0 and 2 every few milliseconds, so that prompts are prefilled
     with and without the MTP pass, segments at k = 2 refill the rows that plain ones left behind,
     and segments at a fixed k run too."""
     assert engine.concurrent  # on a CPU in one process, prompts are prefilled on a thread beside the segments
-    prompts = corpus_prompts(tokenizer, 32)
-    limits = [8 + (7 * i) % 33 for i in range(32)]
-    reference = jaxmtp.generate(demo, prompts, max_new_tokens=max(limits)).tokens  # rows are independent
+    prompts, limits, reference = mixed
     before = dict(engine.snapshot()["rounds_by_k"])
     engine.force_k(None)
-    with k_switching(engine) if k == "switching" else contextlib.nullcontext():
+    with nothing_compiled(), k_switching(engine) if k == "switching" else contextlib.nullcontext():
         collectors = staggered(engine, prompts, limits)
     for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
         assert c.finish.finish_reason == "length", (i, c.finish)
@@ -195,22 +220,58 @@ def test_auto_probes_a_k_whose_cost_it_has_not_measured(engine):
             engine._cost_ratios.pop((*key, k), None)
 
 
-def test_prefill_between_segments_under_load_equals_plain_greedy(demo, tokenizer):
+# Two slots, prefilled between segments, greedy only, plain: the two tests below share these programs.
+BETWEEN = dict(buckets=(2,), max_len=256, prefill_chunk=CHUNK, segment_rounds=4, sampling=False, speculative_k=0,
+               concurrent_prefill=False)
+
+
+def test_prefill_between_segments_under_load_equals_plain_greedy(demo, mixed):
     """concurrent_prefill=False (as with several processes): prompts prefilled a chunk at a time
     between the segments of two slots, while later requests wait for a slot."""
-    prompts = corpus_prompts(tokenizer, 32)
-    limits = [8 + (7 * i) % 33 for i in range(32)]
-    reference = jaxmtp.generate(demo, prompts, max_new_tokens=max(limits)).tokens  # the test above's shapes
-    engine = Engine(demo, slots=2, buckets=(2,), max_len=256, prefill_chunk=CHUNK, segment_rounds=4, sampling=False,
-                    speculative_k=0, concurrent_prefill=False).start()
+    prompts, limits, reference = (part[:12] for part in mixed)
+    engine = Engine(demo, slots=2, **BETWEEN).start()
     try:
         assert not engine.concurrent and engine._prefiller is None
-        collectors = staggered(engine, prompts[:12], limits[:12])
+        with nothing_compiled():  # plain decoding's prefill chunks (no MTP pass) among them
+            collectors = staggered(engine, prompts, limits)
         for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
             assert c.tokens == want[:m], f"request {i} differs from plain greedy"
         assert engine.idle
     finally:
         engine.shutdown(timeout=5)
+
+
+def test_replicas_share_requests_and_send_a_prefix_to_the_replica_that_holds_it(demo, tokenizer, mixed):
+    """Two replicas of two slots: greedy requests under load equal plain greedy and both replicas
+    decode some; the snapshot sums the replicas'; prompts that share a stored prefix go to the
+    replica that stored it and reuse it."""
+    with pytest.raises(InputError, match="4 slots do not divide into 3 replicas"):
+        Replicas(demo, replicas=3, slots=4, **BETWEEN)
+    prompts, limits, reference = (part[:12] for part in mixed)
+    pool = Replicas(demo, replicas=2, slots=4, tokenizer=tokenizer, **BETWEEN).start()
+    try:
+        collectors = staggered(pool, prompts, limits)
+        for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
+            assert c.tokens == want[:m], f"request {i} differs from plain greedy"
+        each = [engine.snapshot()["generation_tokens_total"] for engine in pool.engines]
+        assert min(each) > 0 and pool.snapshot()["generation_tokens_total"] == sum(each) == sum(limits)
+        assert pool.snapshot()["slots"] == 4
+        shared = data.held_out_prompts(tokenizer, 1, 4 * CHUNK)[0][:3 * CHUNK + 1]
+        tails = [p[:20] for p in data.held_out_prompts(tokenizer, 4, 40)]
+        alike = [shared + t for t in tails]  # test_prefix_reuse_gives_the_same_tokens's prompts
+        want = jaxmtp.generate(demo, alike, max_new_tokens=12).tokens
+        assert pool.generate(alike[:1], max_tokens=12, timeout=60) == want[:1]
+        holds = [engine.stored_blocks(alike[1]) for engine in pool.engines]
+        assert sorted(holds) == [0, 3], holds
+        rest = [Collector() for _ in alike[1:]]
+        for p, c in zip(alike[1:], rest):
+            pool.submit(Request(prompt=tuple(p), max_tokens=12), c)
+        for c, w in zip(rest, want[1:]):
+            assert c.done.wait(60)
+            assert c.tokens == w and c.finish.cached_tokens == 3 * CHUNK
+    finally:
+        pool.shutdown(timeout=5)
+    assert pool.idle
 
 
 def test_concurrent_prefill_needs_one_device(demo):

@@ -420,7 +420,7 @@ def test_incremental_text_sends_no_partial_character_nor_a_stop_string(tokenizer
     assert "".join(sent) == tokenizer.decode(ids).split("STOP")[0]
 
 
-@pytest.mark.parametrize("case", ["missing template", "bad template", "port in use", "max-len"])
+@pytest.mark.parametrize("case", ["missing template", "bad template", "port in use", "max-len", "replicas"])
 def test_serve_refuses_bad_options_before_serving(capsys, tmp_path, case):
     from jaxmtp.cli import main
 
@@ -431,7 +431,8 @@ def test_serve_refuses_bad_options_before_serving(capsys, tmp_path, case):
     argv, said = {"missing template": (["--chat-template", str(tmp_path / "none.jinja")], "No such file"),
                   "bad template": (["--chat-template", str(tmp_path / "bad.jinja")], "not a valid Jinja template"),
                   "port in use": (["--port", str(taken.getsockname()[1])], "cannot listen there"),
-                  "max-len": (["--port", "0", "--max-len", "5000"], "max_position_embeddings (1024)")}[case]
+                  "max-len": (["--port", "0", "--max-len", "5000"], "max_position_embeddings (1024)"),
+                  "replicas": (["--max-batch", "6", "--replicas", "4"], "--max-batch 6 does not divide into 4")}[case]
     with taken, pytest.raises(SystemExit) as exit_info:
         main(["serve", "demo", "--quiet", *argv])
     assert exit_info.value.code == 2 and said in capsys.readouterr().err

@@ -255,6 +255,16 @@ class PrefixStore:
         return [hashlib.sha256(tokens[:(j + 1) * self.block + self.lookahead].tobytes()).digest()
                 for j in range(blocks)]
 
+    def held(self, prompt: Sequence[int], most: int) -> int:
+        """How many of the prompt's leading chunks (at most `most`) are stored, none marked as used:
+        dictionary reads only, so that another thread may ask (jaxmtp.engine.Replicas)."""
+        count = 0
+        for key in self.keys(prompt, most):
+            if key not in self.index:
+                break
+            count += 1
+        return count
+
     def match(self, prompt: Sequence[int], most: int) -> list[int]:
         """The store entries of the prompt's leading chunks, at most `most` of them."""
         found = []
@@ -435,18 +445,19 @@ class Engine:
         if self._prefix is not None:  # both copies once, with nothing to copy
             self._store_blocks([], [])
             device.load(np.zeros((device.blocks,), np.int32), 0)
+        drafts = (True, False) if self.k_max else (False,)  # the chunks' MTP pass, as _drafting chooses it
         for size in self.chunk_sizes:  # each chunk program compiled
-            for draft in (True, False) if self.k_max else (True,):
+            for draft in drafts:
                 device.chunk(0, size, draft=draft)
-        chunk_times = {True: [], False: []}
+        chunk_times = {draft: [] for draft in drafts}
         for _ in range(TIMED_REPEATS):
-            for draft in chunk_times if self.k_max else (True,):
+            for draft in drafts:
                 device.ready()
                 began_chunk = time.perf_counter()
                 device.chunk(0, self.config.prefill_chunk, draft=draft)
                 device.ready()
                 chunk_times[draft].append(time.perf_counter() - began_chunk)
-        self.chunk_seconds = statistics.median(chunk_times[True])
+        self.chunk_seconds = statistics.median(chunk_times[drafts[0]])
         if self.k_max:  # the MTP pass's share of a prefill chunk
             self.draft_share = max(0.0, 1.0 - statistics.median(chunk_times[False]) / self.chunk_seconds)
         ks = range(self.k_max + 1)
@@ -532,7 +543,8 @@ class Engine:
         prompt = request.prompt
         if not len(prompt):
             raise InputError("prompt: empty; a request needs at least one prompt token")
-        checks.token_ids("prompt", [list(prompt)], vocab)
+        if checks.host_token_ids("prompt", list(prompt), vocab).ndim != 1:
+            raise InputError("prompt: expected a sequence of token ids, found a nested sequence")
         max_tokens = checks.whole("max_tokens", request.max_tokens, minimum=1)
         if len(prompt) + max_tokens > self.max_len:
             raise InputError(f"max_tokens: the prompt's {len(prompt)} tokens plus max_tokens = {max_tokens} exceed "
@@ -581,6 +593,13 @@ class Engine:
             self._inbox.append(handle)
             self._lock.notify_all()
         return handle
+
+    def stored_blocks(self, prompt: Sequence[int]) -> int:
+        """How many of the prompt's leading chunks the prefix store holds now, of those a prefill
+        could reuse (0 without a store); changes nothing, callable from any thread."""
+        if self._prefix is None:
+            return 0
+        return self._prefix.held(prompt, max(0, (len(prompt) - self._prefill_tail) // self.config.prefill_chunk))
 
     def generate(self, prompts, *, timeout: float | None = None, **fields) -> list[list[int]]:
         """Submits each prompt (token ids) as a Request with these fields and waits for all ->
