@@ -151,13 +151,12 @@ class Device:
         inputs = Inputs(prompt=None, lengths=np.int32([length]), limits=np.int32([limit]), real=np.ones((1,), bool),
                         stops=np.asarray(stops, np.int32)[None], sampling=sampling, key=jax.random.key(seed),
                         costs=None, force_k=None)
-        self.staging = programs.stage_begin(self.s.static, self.staging, jnp.asarray(seq, jnp.int32)[None],
-                                            jax.tree.map(jnp.asarray, inputs))
+        self.staging = programs.stage_begin(self.s.static, self.staging, np.asarray(seq, np.int32)[None], inputs)
 
     def load(self, ids: np.ndarray, count: int):
         """Store entries ids[:count] into the staged caches' first chunks (ids: one per cache chunk)."""
         self._send(LOAD, (count,), ids)
-        cached = programs.load_blocks(self._cached(), self.pool, jnp.asarray(ids, jnp.int32), jnp.int32(count))
+        cached = programs.load_blocks(self._cached(), self.pool, np.asarray(ids, np.int32), np.int32(count))
         carry = self.staging.carry
         drafts = None if carry.drafts is None else carry.drafts.replace(cache=cached["mtp"])
         self.staging = self.staging.replace(carry=carry.replace(caches=cached["main"], drafts=drafts))
@@ -168,7 +167,7 @@ class Device:
         the cache, as it does where start is a multiple of it); the MTP pass too with `draft`."""
         self._send(CHUNK, (start, size, int(draft)))
         self.staging = programs.stage_chunk(self.s.static, size, draft, self.s.params, self.staging,
-                                            jnp.int32(start))
+                                            np.int32(start))
 
     def insert(self, slot: int, *, staging=None) -> tuple[int, float, bool]:
         """The staged request (or one handed over, `staging`) into `slot` -> (its first token,
@@ -176,7 +175,7 @@ class Device:
         self._send(INSERT, (slot,))
         staging = self.staging if staging is None else staging
         self.state, self.params, first = programs.insert(self.s.static, self.state, self.params, staging,
-                                                         jnp.int32(slot))
+                                                         np.int32(slot))
         token, logprob, done = _fetch(first)
         return int(token), float(logprob), bool(done)
 
@@ -197,8 +196,8 @@ class Device:
         """Staged cache chunks `blocks` into store `entries` (both one per cache chunk; entries at
         or past the store's size are skipped)."""
         self._send(STORE, (), np.concatenate([blocks, entries]))
-        self.pool = programs.store_blocks(self.pool, self._cached(), jnp.asarray(blocks, jnp.int32),
-                                          jnp.asarray(entries, jnp.int32))
+        self.pool = programs.store_blocks(self.pool, self._cached(), np.asarray(blocks, np.int32),
+                                          np.asarray(entries, np.int32))
 
     def segment(self, *, greedy: bool, bucket: int, k: int, rounds: int, refill: np.ndarray, early: bool,
                 halt: np.ndarray) -> programs.Report:
@@ -208,8 +207,8 @@ class Device:
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
         rows = programs.bucket_rows(halt, bucket)
         self.state, self.params, report = programs.segment(
-            static, bucket, self.s.window, self.s.params, self.state, self.params, jnp.int32(k), jnp.int32(rounds),
-            jnp.asarray(refill, bool), jnp.asarray(halt), jnp.bool_(early), jnp.asarray(rows))
+            static, bucket, self.s.window, self.s.params, self.state, self.params, np.int32(k), np.int32(rounds),
+            np.asarray(refill, bool), np.asarray(halt, bool), np.bool_(early), np.asarray(rows, np.int32))
         return programs.by_slot(_fetch(report), rows, self.s.slots)
 
     def compile_segment(self, *, greedy: bool, bucket: int):
@@ -223,8 +222,8 @@ class Device:
     def occupy(self, rows: np.ndarray, position: int):
         """Calibration: rows [slots] run from `position` without limit (programs.occupy)."""
         self._send(OCCUPY, (position,), rows.astype(np.int32))
-        self.state, self.params = programs.occupy(self.s.static, self.state, self.params, jnp.asarray(rows),
-                                                  jnp.int32(position))
+        self.state, self.params = programs.occupy(self.s.static, self.state, self.params, np.asarray(rows, np.int32),
+                                                  np.int32(position))
 
     def ready(self, *, decode: bool = True, staging: bool = True):
         """Waits for the operations sent so far on the slots (decode) and on the staging state to
