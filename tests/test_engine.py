@@ -10,7 +10,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
@@ -18,7 +17,8 @@ import tokenizers
 import generation_models as gm
 import jaxmtp
 from jaxmtp import data
-from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Replicas, Request, programs
+from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Replicas, Request
+from jaxmtp.engine.device import Device
 from jaxmtp.errors import InputError
 from jaxmtp.sharding import make_mesh
 from test_speculative_sampling import CONFIG, PROMPT, VOCAB, chi_square_p_value, exact_distribution
@@ -182,21 +182,24 @@ def test_calibration_rows_carry_tokens_of_their_own(engine):
     """Calibration times rounds on rows that each read their own seeded random ids
     (programs.occupy), so that a round of several rows, or a verify pass of several positions, routes
     to as many experts as text does instead of sending every row to the same ones; the rows outside
-    the bucket are left done, where they were."""
-    static, vocab = engine.static, engine.model.config.vocab_size
-    slots = engine.slots  # the shapes the engine's calibration compiled occupy for
-    state = programs.empty_slots(static, slots)
-    stops = (engine.config.stop_sequences, engine.config.stop_length)
-    params = jax.tree.map(jnp.asarray, programs.empty_slot_params(slots, stops))
+    the bucket are left done, where they were. Through the device side as calibration calls it (a
+    host mask of the rows), on a device side of the engine's settings apart from its running one."""
+    static, vocab, slots = engine.static, engine.model.config.vocab_size, engine.slots
+
+    def occupied(rows):
+        side = Device(engine._device.s)
+        side.fresh()
+        side.occupy(rows, 40)
+        return side.state
+
     rows = np.arange(slots) < 3
-    occupied, _ = programs.occupy(static, state, params, jnp.asarray(rows), jnp.int32(40))
-    seq, n = np.asarray(occupied.tokens.seq), np.asarray(occupied.tokens.n)
-    assert n.tolist() == [40] * 3 + [0] * (slots - 3) and np.asarray(occupied.tokens.done).tolist() == (~rows).tolist()
+    state = occupied(rows)
+    seq, n = np.asarray(state.tokens.seq), np.asarray(state.tokens.n)
+    assert n.tolist() == [40] * 3 + [0] * (slots - 3) and np.asarray(state.tokens.done).tolist() == (~rows).tolist()
     assert ((seq >= 0) & (seq < vocab)).all() and not seq[3:].any()
     window = seq[:3, 40:40 + 3 * static.k + 3]  # the tokens the rows' first rounds read
     assert len({tuple(row) for row in window}) == 3 and len(np.unique(window)) >= window.size // 2
-    again, _ = programs.occupy(static, programs.empty_slots(static, slots), params, jnp.asarray(rows), jnp.int32(40))
-    np.testing.assert_array_equal(np.asarray(again.tokens.seq), seq)  # seeded: every calibration alike
+    np.testing.assert_array_equal(np.asarray(occupied(rows).tokens.seq), seq)  # seeded: every calibration alike
 
 
 def test_auto_probes_a_k_whose_cost_it_has_not_measured(engine):

@@ -220,9 +220,10 @@ class Device:
                                jnp.int32(1), halt, halt, jnp.bool_(False), jnp.arange(bucket, dtype=jnp.int32)).compile()
 
     def occupy(self, rows: np.ndarray, position: int):
-        """Calibration: rows [slots] run from `position` without limit (programs.occupy)."""
+        """Calibration: the rows set in rows [slots] (bool) run from `position` without limit
+        (programs.occupy)."""
         self._send(OCCUPY, (position,), rows.astype(np.int32))
-        self.state, self.params = programs.occupy(self.s.static, self.state, self.params, np.asarray(rows, np.int32),
+        self.state, self.params = programs.occupy(self.s.static, self.state, self.params, np.asarray(rows, bool),
                                                   np.int32(position))
 
     def ready(self, *, decode: bool = True, staging: bool = True):
