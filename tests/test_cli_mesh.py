@@ -312,7 +312,7 @@ def test_a_load_onto_a_mesh_never_holds_a_host_copy_of_the_model(tmp_path):
     """Peak RSS of a process loading 162 MB of float32 weights (routed experts 93% of them) onto
     8 emulated devices with the experts split 8 ways. The devices live in the process, so it must
     hold their blocks (the experts once, the rest 8 times); beyond that it may hold one
-    checkpoint file and a margin, which a whole host copy of the model (loaded, then placed)
+    checkpoint file and a margin (32 MB), which a whole host copy of the model (loaded, then placed)
     exceeds."""
     config = jaxmtp.ModelConfig.from_hf_config(f"{jaxmtp.CONFIGS}/tiny.json").replace(
         hidden_size=128, num_attention_heads=8, q_lora_rank=32, moe_intermediate_size=2048, n_routed_experts=16,
@@ -324,6 +324,6 @@ def test_a_load_onto_a_mesh_never_holds_a_host_copy_of_the_model(tmp_path):
     del params
     largest_file = max(os.path.getsize(tmp_path / name) for name in os.listdir(tmp_path))
     mesh, staged = _peak_growth(tmp_path, "mesh"), _peak_growth(tmp_path, "staged")
-    bound = mesh["held"] + largest_file + (8 << 20)
+    bound = mesh["held"] + largest_file + (32 << 20)  # allocator and runtime noise: a few MB from run to run
     assert mesh["growth"] <= bound < mesh["held"] + whole, (mesh, whole, largest_file)
     assert staged["growth"] > bound, (staged, bound)  # the measurement sees a host copy
