@@ -910,9 +910,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="port to listen on; 0 = a free one, which the ready line names")
     sv.add_argument("--max-batch", type=_positive, default=16, help="requests decoded at once (the engine's slots)")
     sv.add_argument("--replicas", type=_positive, default=1,
-                    help="engines sharing the model, each with --max-batch / N slots and threads of its own; a request "
-                         "goes to the one holding its prompt's prefix, else the least busy. XLA runs one program on one "
-                         "CPU core, so on a CPU two replicas decode on two cores; one process on one device only")
+                    help="engines sharing the model, each with --max-batch / N slots and threads of its own; a "
+                         "request goes to the one holding its prompt's prefix, else the least busy. XLA runs one "
+                         "program on one CPU core, so on a CPU two replicas decode on two cores; one process on one "
+                         "device only")
     sv.add_argument("--max-len", type=_positive,
                     help="prompt plus new tokens of a request, at most; default: the model's max_position_embeddings, "
                          "at most 4096")
