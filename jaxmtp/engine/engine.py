@@ -255,26 +255,26 @@ class PrefixStore:
         return [hashlib.sha256(tokens[:(j + 1) * self.block + self.lookahead].tobytes()).digest()
                 for j in range(blocks)]
 
-    def held(self, prompt: Sequence[int], most: int) -> int:
-        """How many of the prompt's leading chunks (at most `most`) are stored, none marked as used:
-        dictionary reads only, so that another thread may ask (jaxmtp.engine.Replicas)."""
-        count = 0
+    def _leading(self, prompt: Sequence[int], most: int) -> list[bytes]:
+        """The keys of the prompt's leading chunks that are stored, at most `most`; dictionary
+        reads only, so that another thread may ask (jaxmtp.engine.Replicas)."""
+        found = []
         for key in self.keys(prompt, most):
             if key not in self.index:
                 break
-            count += 1
-        return count
+            found.append(key)
+        return found
+
+    def held(self, prompt: Sequence[int], most: int) -> int:
+        """How many of the prompt's leading chunks (at most `most`) are stored, none marked as used."""
+        return len(self._leading(prompt, most))
 
     def match(self, prompt: Sequence[int], most: int) -> list[int]:
-        """The store entries of the prompt's leading chunks, at most `most` of them."""
-        found = []
-        for key in self.keys(prompt, most):
-            entry = self.index.get(key)
-            if entry is None:
-                break
+        """The store entries of the prompt's leading chunks, at most `most` of them (marked as used)."""
+        found = self._leading(prompt, most)
+        for key in found:
             self.index.move_to_end(key)
-            found.append(entry)
-        return found
+        return [self.index[key] for key in found]
 
     def _entry(self, key: bytes) -> int | None:
         """A store entry for a chunk key that is not stored yet, the least recently used evicted
@@ -599,7 +599,12 @@ class Engine:
         could reuse (0 without a store); changes nothing, callable from any thread."""
         if self._prefix is None:
             return 0
-        return self._prefix.held(prompt, max(0, (len(prompt) - self._prefill_tail) // self.config.prefill_chunk))
+        return self._prefix.held(prompt, self._reusable_blocks(prompt))
+
+    def _reusable_blocks(self, prompt: Sequence[int]) -> int:
+        """The prompt's leading chunks a prefill may take from the store: those before its last
+        _prefill_tail positions, which it prefills itself."""
+        return max(0, (len(prompt) - self._prefill_tail) // self.config.prefill_chunk)
 
     def generate(self, prompts, *, timeout: float | None = None, **fields) -> list[list[int]]:
         """Submits each prompt (token ids) as a Request with these fields and waits for all ->
@@ -818,8 +823,7 @@ class Engine:
                            top_k=request.top_k if 0 < request.top_k < vocab else vocab, top_p=request.top_p,
                            greedy=greedy, seed=seed)
         if self._prefix is not None and staged.handle.id >= 0:
-            most = max(0, (len(prompt) - self._prefill_tail) // chunk)
-            entries = self._prefix.match(request.prompt, most)
+            entries = self._prefix.match(request.prompt, self._reusable_blocks(request.prompt))
             if entries:
                 ids = np.zeros((self._device.blocks,), np.int32)
                 ids[:len(entries)] = entries

@@ -127,7 +127,7 @@ class Replicas:
         """The replicas' snapshots summed (current_k: the largest replica's, None where none has one)."""
         shots = [engine.snapshot() for engine in self.engines]
         total = {}
-        for key, value in shots[0].items():
+        for key in shots[0]:
             if key in _SUMMED_DICTS:
                 summed = {}
                 for shot in shots:
