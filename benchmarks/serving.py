@@ -82,7 +82,7 @@ START_TIMEOUT_S = 900.0
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What one run measures. concurrency: the closed-loop loads; rate: the Poisson load's requests
-    per second (None: none); requests: per phase (0: 2 x the concurrency, at least 16; 16 at the
+    per second (None: none); requests: per phase (0: 2 x the concurrency, at least 48; 16 at the
     rate); prompt_lens: (shortest, longest) prompt in tokens; max_batch, max_len, replicas: jaxmtp
     serve's slots, cache length and replicas; start_together: start the servers at once (see
     --start-together)."""
@@ -104,7 +104,9 @@ class Settings:
     def requests_at(self, load: Load) -> int:
         if self.requests:
             return self.requests
-        return 16 if load.rate else max(16, 2 * load.concurrency)
+        # 48 at least: a phase of 16 requests at concurrency 1 or 4 lasted 1-2 s on the demo, and
+        # the same configuration's phases then differed by up to a third on a shared machine.
+        return 16 if load.rate else max(48, 2 * load.concurrency)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -752,7 +754,7 @@ def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--concurrency", type=_ints, default=(1, 4, 16, 64), help="closed-loop loads")
     parser.add_argument("--rate", type=float, help="also a Poisson load of this many requests per second")
     parser.add_argument("--requests", type=int, default=0,
-                        help="requests per phase (default: 2 x the concurrency, at least 16; 16 at --rate)")
+                        help="requests per phase (default: 2 x the concurrency, at least 48; 16 at --rate)")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
     parser.add_argument("--repeats", type=int, default=2, help="phases per configuration and load")
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests per server before measuring")

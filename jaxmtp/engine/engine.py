@@ -67,6 +67,47 @@ COST_SEGMENTS_TRUSTED = 3  # and how many must have run before they do
 PROBE_SHARE = 0.8
 
 
+class _PrefillActivity:
+    """Chunks begun and ended by the prefill threads of every engine in this process (replicas
+    share the cores): a decode segment that ran while none was in flight measures a round's cost
+    alone (Engine._learn_cost)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.begun = self.ended = 0
+
+    def begin(self):
+        with self._lock:
+            self.begun += 1
+
+    def end(self):
+        with self._lock:
+            self.ended += 1
+
+    def mark(self) -> tuple[int, int]:
+        return self.begun, self.ended
+
+
+PREFILL_ACTIVITY = _PrefillActivity()
+
+
+class _CostRatios:
+    """Measured over calibrated seconds per round, the last COST_SEGMENTS per (mode, bucket, k),
+    for the engines that share a calibration (Replicas); any of their threads adds and reads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ratios = collections.defaultdict(lambda: collections.deque(maxlen=COST_SEGMENTS))
+
+    def add(self, key: tuple[str, int, int], ratio: float):
+        with self._lock:
+            self._ratios[key].append(ratio)
+
+    def get(self, key: tuple[str, int, int]) -> list[float]:
+        with self._lock:
+            return list(self._ratios.get(key, ()))
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """slots: rows decoded at once. max_len: prompt plus new tokens of a request, at most.
@@ -387,7 +428,7 @@ class Engine:
         # the MTP pass; a segment at k > 0 refills them first.
         self._stale = np.zeros((c.slots,), bool)
         self._busy = {"prefill": 0.0, "decode": 0.0}  # recent seconds of each, decaying (see _prefill_overhead)
-        self._cost_ratios = collections.defaultdict(lambda: collections.deque(maxlen=COST_SEGMENTS))  # _learn_cost
+        self._cost_ratios = _CostRatios()  # _learn_cost
         self._segment_seconds = 1.0  # the last segment's time, per segment_rounds rounds
         self._chunk_seconds = 0.0  # the last prefill chunk's time
         self._last_rounds = c.segment_rounds
@@ -399,19 +440,24 @@ class Engine:
 
     # ----- setting up -----
 
-    def start(self) -> "Engine":
+    def start(self, *, calibrated_by: "Engine | None" = None) -> "Engine":
         """Compiles every program, measures a round's cost at each k for each bucket, then starts
-        decoding on the engine's thread. -> self. With several processes, process 0 takes the
-        requests and the others' start() runs process 0's operations as they come
-        (jaxmtp.engine.device) until process 0 shuts down."""
+        decoding on the engine's thread. -> self. calibrated_by: a started engine of the same model
+        and config whose measured costs this one takes, and shares what either learns of them while
+        serving (_learn_cost), instead of measuring its own (Replicas). With several processes,
+        process 0 takes the requests and the others' start() runs process 0's operations as they
+        come (jaxmtp.engine.device) until process 0 shuts down."""
         if self._thread is not None:
             raise InputError("start: this engine has started already")
+        if calibrated_by is not None and (calibrated_by.model is not self.model or calibrated_by.config != self.config
+                                          or not calibrated_by.costs):
+            raise InputError("start: calibrated_by must be a started engine of the same model and config")
         with self.model.mesh_context():
             if not self._device.leader:
                 self._device.follow()
                 return self
             self._device.fresh()
-            self._calibrate()
+            self._calibrate(calibrated_by)
             self._device.fresh()
         self._admitting = True
         if self.concurrent:
@@ -424,10 +470,10 @@ class Engine:
     def modes(self) -> tuple[str, ...]:
         return ("greedy", "mixed") if self.config.sampling else ("greedy",)
 
-    def _calibrate(self):
+    def _calibrate(self, source: "Engine | None" = None):
         """Runs a staged request through every program (compiling them), then times segments of
         every bucket's rows at each k from each of `_calibration_positions` (interleaved,
-        TIMED_REPEATS each; the median)."""
+        TIMED_REPEATS each; the median), or takes `source`'s times."""
         self._progress(f"compiling the serving programs ({len(self.modes())} modes x {len(self.buckets)} batch buckets, "
                        f"k = 0..{self.k_max})")
         began = time.perf_counter()
@@ -449,6 +495,9 @@ class Engine:
         for size in self.chunk_sizes:  # each chunk program compiled
             for draft in drafts:
                 device.chunk(0, size, draft=draft)
+        if source is not None:
+            self._take_calibration(source)
+            return
         chunk_times = {draft: [] for draft in drafts}
         for _ in range(TIMED_REPEATS):
             for draft in drafts:
@@ -485,6 +534,13 @@ class Engine:
                        "round costs (ms per round at k = 0..): " + "; ".join(
             f"{m} batch {b} from {p}: " + " ".join(f"{1e3 * s:.2f}" for s in self.costs[m][b][i])
             for m in self.modes() for b in self.buckets for i, p in enumerate(positions)))
+
+    def _take_calibration(self, source: "Engine"):
+        """`source`'s measured costs, and its store of what serving has measured since."""
+        self.costs, self.cost_reach, self._cost_ratios = source.costs, source.cost_reach, source._cost_ratios
+        self.chunk_seconds, self.draft_share = source.chunk_seconds, source.draft_share
+        self._segment_seconds = source._segment_seconds
+        self._progress("round costs taken from the engine that measured them")
 
     def _attended(self, position: int) -> int:
         """Cache positions a round attends over when its furthest row is at `position`: the
@@ -833,12 +889,17 @@ class Engine:
 
     def _learn_cost(self, mode: str, bucket: int, k: int, ratio: float):
         """A segment's measured seconds per round over the calibrated prediction, kept per (mode,
-        bucket, k), the last COST_SEGMENTS of them; only segments that ran at least half the rounds
-        asked of them without a refill count, much as calibration's ran. Auto scales each k's
-        calibrated cost by their median once COST_SEGMENTS_TRUSTED have run (1 before): under
-        serving (rows at other positions, the server's own threads on the same cores) rounds cost
-        more than calibration measured, and more so at some k than at others."""
-        self._cost_ratios[mode, bucket, k].append(ratio)
+        bucket, k), the last COST_SEGMENTS of them; only segments that ran as calibration's ran
+        count: at least half the rounds asked of them, without a refill, and with no chunk of a
+        prefill thread (concurrent_prefill, any engine in the process) beside them. Auto scales each k's calibrated cost by their
+        median once COST_SEGMENTS_TRUSTED have run (1 before): under serving (rows at other
+        positions, other replicas on the same cores) rounds cost more than calibration measured,
+        and more so at some k than at others. A segment beside a prefill chunk measures the chunk
+        as much as the round; and since auto decodes plainly while the prefill bounds the
+        throughput (_prefill_bound), counting those made plain rounds look several times dearer
+        than they are and auto draft where plain decoding was faster (benchmarks/serving.py at
+        concurrency 4)."""
+        self._cost_ratios.add((mode, bucket, k), ratio)
 
     def _prefill_overhead(self) -> float:
         """What speculating adds to each second of decoding in prefill: prompts are prefilled with
@@ -859,7 +920,7 @@ class Engine:
 
     def _cost_scales(self, mode: str, bucket: int) -> np.ndarray:
         """Each k's scale of the calibrated cost [k_max + 1] (see _learn_cost)."""
-        ratios = [self._cost_ratios[mode, bucket, k] for k in range(self.k_max + 1)]
+        ratios = [self._cost_ratios.get((mode, bucket, k)) for k in range(self.k_max + 1)]
         return np.array([statistics.median(r) if len(r) >= COST_SEGMENTS_TRUSTED else 1.0 for r in ratios])
 
     def _probe(self, mode: str, bucket: int, rates: np.ndarray) -> int | None:
@@ -871,7 +932,7 @@ class Engine:
         than calibration measured, while drafting rounds cost more), auto kept to the others
         (benchmarks/serving.py at concurrency 1 and 4)."""
         untrusted = [k for k in range(self.k_max + 1)
-                     if len(self._cost_ratios[mode, bucket, k]) < COST_SEGMENTS_TRUSTED and rates[k] > 0]
+                     if len(self._cost_ratios.get((mode, bucket, k))) < COST_SEGMENTS_TRUSTED and rates[k] > 0]
         if not untrusted:
             return None
         k = max(untrusted, key=lambda k: rates[k])
@@ -989,8 +1050,12 @@ class Engine:
                     began = time.perf_counter()
                     plan = self._chunk_plan(staged)
                     staged.due = began + sum(self._chunk_times.get(size, self.chunk_seconds) for size in plan)
-                    last = self._prefill_chunk(staged)
-                    self._device.ready(decode=False)
+                    PREFILL_ACTIVITY.begin()
+                    try:
+                        last = self._prefill_chunk(staged)
+                        self._device.ready(decode=False)
+                    finally:
+                        PREFILL_ACTIVITY.end()
                     seconds = time.perf_counter() - began
                     self._chunk_times[plan[0]] = seconds
                     staged.seconds += seconds
@@ -1093,10 +1158,12 @@ class Engine:
         self._last_rounds = rounds
         self._device.ready(staging=not self.concurrent)  # the segment's time alone, not that of copies still
         # running before it (the staging state is the prefill thread's)
+        before = PREFILL_ACTIVITY.mark()
         began = time.perf_counter()
         report = self._device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=rounds, refill=refill,
                                       early=early, halt=np.array([r is None for r in self._running]))
         seconds = time.perf_counter() - began
+        alone = before[0] == before[1] == PREFILL_ACTIVITY.mark()[0]  # no prefill chunk ran beside it
         self._busy = {name: BUSY_DECAY * spent for name, spent in self._busy.items()}
         self._busy["decode"] += seconds
         self._segment_k = k
@@ -1104,7 +1171,7 @@ class Engine:
         self.counters["segments_total"] += 1
         ran = max(self._account(slot, k, report) for slot in live)
         self.rounds_by_k[k] += ran
-        if predicted is not None and 2 * ran >= rounds and not refill.any():  # much like calibration's segments
+        if predicted is not None and alone and 2 * ran >= rounds and not refill.any():  # as calibration's ran
             self._learn_cost(mode, bucket, k, seconds / ran / predicted[k])
         if self.auto and k == 0:
             self._chooser.idle(ran)

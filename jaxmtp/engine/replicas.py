@@ -58,10 +58,13 @@ class Replicas:
         return lambda message: self._progress(f"replica {i + 1}/{n}: {message}")
 
     def start(self) -> "Replicas":
-        """Starts each replica in turn (each compiles what the ones before it did not, and measures
-        its own round costs alone). -> self."""
-        for engine in self.engines:
-            engine.start()
+        """Starts each replica in turn: the first compiles the programs and measures the round
+        costs; the others reuse its programs and take its costs, and all of them add to and read
+        one store of what their segments measure while serving (Engine.start's calibrated_by), so
+        that auto learns the costs from all of them at once. -> self."""
+        first = self.engines[0].start()
+        for engine in self.engines[1:]:
+            engine.start(calibrated_by=first)
         return self
 
     @property
