@@ -65,6 +65,18 @@ COST_SEGMENTS_TRUSTED = 3  # and how many must have run before they do
 # Auto runs a k whose cost no segment has measured yet (COST_SEGMENTS_TRUSTED) where its predicted rate
 # is at least this share of the best k's (see Engine._probe).
 PROBE_SHARE = 0.8
+# After this many rounds at k = 0 in a row, auto runs one segment at its best k > 0, to measure the
+# acceptance again (see Engine._explore).
+EXPLORE_ROUNDS = 1024
+# The weight, in rounds, of the engine's pooled acceptance as a request's prior (Chooser.expected),
+# and the decay of the pooled counts per row-round drafted: the pooled estimate follows the last
+# thousand or so row-rounds, and a request's own counts outweigh it only after tens of rounds. With
+# generate's values (adaptive.PRIOR_ROUNDS, adaptive.DECAY), the pooled estimate followed the last
+# hundred row-rounds, which were those of the requests auto drafted for because their first rounds
+# accepted more: it read 0.7 where the demo's text accepts 0.55, every new request began drafting,
+# and auto ran at 0.8 of plain decoding (benchmarks/serving.py at concurrency 1 and 4).
+SLOT_PRIOR_ROUNDS = 64.0
+POOLED_DECAY = 0.999
 
 
 class _PrefillActivity:
@@ -190,11 +202,11 @@ class Chooser:
 
     Acceptance per draft position is counted per slot (reset when a request takes the slot) and
     for the engine (pooled over every request since start); a slot's posterior takes the pooled
-    estimate as its prior (adaptive.PRIOR_ROUNDS rounds' weight), so that what the engine has
-    learned carries over to new requests and to the next segment instead of restarting from the
-    fixed prior. Counts decay by adaptive.DECAY per round drafted; rounds at k = 0 measure
-    nothing and decay the pooled counts by adaptive.IDLE_DECAY, so that drafting is tried again
-    after a while where it once did not pay."""
+    estimate as its prior (SLOT_PRIOR_ROUNDS rounds' weight), so that what the engine has learned
+    carries over to new requests and to the next segment instead of restarting from the fixed
+    prior. A slot's counts decay by adaptive.DECAY per round drafted, the pooled counts by
+    POOLED_DECAY per row-round; rounds at k = 0 measure nothing and leave them as they are (the
+    engine explores instead: Engine._explore)."""
 
     def __init__(self, k_max: int, slots: int, hysteresis: float):
         self.k_max, self.hysteresis = k_max, hysteresis
@@ -214,9 +226,9 @@ class Chooser:
 
     def expected(self, rows: Sequence[int]) -> np.ndarray:
         """Expected tokens per round at k = 0..k_max, summed over `rows` [k_max + 1]."""
-        prior = self.pooled() * adaptive.PRIOR_ROUNDS
+        prior = self.pooled() * SLOT_PRIOR_ROUNDS
         rows = list(rows)
-        conditional = (self.accepted[rows] + prior) / (self.tried[rows] + adaptive.PRIOR_ROUNDS)  # [r, k_max]
+        conditional = (self.accepted[rows] + prior) / (self.tried[rows] + SLOT_PRIOR_ROUNDS)  # [r, k_max]
         reach = np.cumprod(conditional, axis=1)
         return (1.0 + np.concatenate([np.zeros((len(rows), 1)), np.cumsum(reach, axis=1)], axis=1)).sum(axis=0)
 
@@ -241,13 +253,9 @@ class Chooser:
         decay = adaptive.DECAY ** rounds
         self.tried[slot] = decay * self.tried[slot] + tried
         self.accepted[slot] = decay * self.accepted[slot] + hit
-        self.pooled_tried = decay * self.pooled_tried + tried
-        self.pooled_accepted = decay * self.pooled_accepted + hit
-
-    def idle(self, rounds: int):
-        decay = adaptive.IDLE_DECAY ** rounds
-        self.pooled_tried *= decay
-        self.pooled_accepted *= decay
+        pooled = POOLED_DECAY ** rounds
+        self.pooled_tried = pooled * self.pooled_tried + tried
+        self.pooled_accepted = pooled * self.pooled_accepted + hit
 
 
 @dataclasses.dataclass
@@ -424,6 +432,7 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._segment_k = 0
+        self._plain_rounds = 0  # auto's rounds at k = 0 since its last segment at k > 0 (_explore)
         # Slots whose drafts are stale: their last segment ran at k = 0, or their prefill skipped
         # the MTP pass; a segment at k > 0 refills them first.
         self._stale = np.zeros((c.slots,), bool)
@@ -938,6 +947,18 @@ class Engine:
         k = max(untrusted, key=lambda k: rates[k])
         return k if rates[k] >= PROBE_SHARE * rates.max() else None
 
+    def _explore(self, rates: np.ndarray) -> int | None:
+        """After EXPLORE_ROUNDS rounds at k = 0 in a row, the k > 0 of the highest predicted rate
+        (rates [k_max + 1]), for one segment, or None: rounds at k = 0 measure no acceptance, and
+        one segment now and then lets auto see that the text has changed and drafting pays. The
+        pooled counts used to decay back to the fixed prior instead, which is above the demo's
+        acceptance, so that auto went back to drafting every few hundred plain rounds, for whole
+        requests, where plain decoding was faster (benchmarks/serving.py at concurrency 1)."""
+        if self._plain_rounds < EXPLORE_ROUNDS or not rates[1:].max() > 0:
+            return None
+        self._plain_rounds = 0
+        return 1 + int(np.argmax(rates[1:]))
+
     def _drafting(self) -> bool:
         """Whether prefill chunks run the MTP pass now: not while auto decodes plainly (k = 0), where
         it would add to every chunk for drafts that no round reads. A prompt prefilled without it
@@ -1147,7 +1168,10 @@ class Engine:
                 costs[1:] = np.inf
             else:
                 costs[1:] *= 1 + self._prefill_overhead()
-            probe = self._probe(mode, bucket, self._chooser.expected(live) / costs)
+            rates = self._chooser.expected(live) / costs
+            probe = self._probe(mode, bucket, rates)
+            if probe is None:
+                probe = self._explore(rates)
             k = self._chooser.choose(live, costs) if probe is None else probe
         else:
             k = self.k_max
@@ -1173,8 +1197,8 @@ class Engine:
         self.rounds_by_k[k] += ran
         if predicted is not None and alone and 2 * ran >= rounds and not refill.any():  # as calibration's ran
             self._learn_cost(mode, bucket, k, seconds / ran / predicted[k])
-        if self.auto and k == 0:
-            self._chooser.idle(ran)
+        if self.auto:
+            self._plain_rounds = self._plain_rounds + ran if k == 0 else 0
 
     def _segment_rounds(self) -> int:
         """Rounds for the next segment: segment_rounds, except while a prompt is prefilled. Between
