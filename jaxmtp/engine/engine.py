@@ -73,8 +73,8 @@ EXPLORE_ROUNDS = 1024
 # thousand or so row-rounds, and a request's own counts outweigh it only after tens of rounds. With
 # generate's values (adaptive.PRIOR_ROUNDS, adaptive.DECAY), the pooled estimate followed the last
 # hundred row-rounds, which were those of the requests auto drafted for because their first rounds
-# accepted more: it read 0.7 where the demo's text accepts 0.55, every new request began drafting,
-# and auto ran at 0.8 of plain decoding (benchmarks/serving.py at concurrency 1 and 4).
+# accepted more: it read 0.7 where the demo's text accepts 0.55, and every new request began
+# drafting where plain decoding was faster (benchmarks/serving.py at concurrency 1).
 SLOT_PRIOR_ROUNDS = 64.0
 POOLED_DECAY = 0.999
 
@@ -900,14 +900,14 @@ class Engine:
         """A segment's measured seconds per round over the calibrated prediction, kept per (mode,
         bucket, k), the last COST_SEGMENTS of them; only segments that ran as calibration's ran
         count: at least half the rounds asked of them, without a refill, and with no chunk of a
-        prefill thread (concurrent_prefill, any engine in the process) beside them. Auto scales each k's calibrated cost by their
-        median once COST_SEGMENTS_TRUSTED have run (1 before): under serving (rows at other
-        positions, other replicas on the same cores) rounds cost more than calibration measured,
-        and more so at some k than at others. A segment beside a prefill chunk measures the chunk
-        as much as the round; and since auto decodes plainly while the prefill bounds the
-        throughput (_prefill_bound), counting those made plain rounds look several times dearer
-        than they are and auto draft where plain decoding was faster (benchmarks/serving.py at
-        concurrency 4)."""
+        prefill thread (concurrent_prefill, any engine in the process) beside them. Auto scales
+        each k's calibrated cost by their median once COST_SEGMENTS_TRUSTED have run (1 before):
+        under serving (rows at other positions, other replicas on the same cores) rounds cost more
+        than calibration measured, and more so at some k than at others. A segment beside a
+        prefill chunk measures the chunk as much as the round; and since auto decodes plainly while
+        the prefill bounds the throughput (_prefill_bound), counting those made plain rounds look
+        several times dearer than they were and made auto draft where plain decoding was faster
+        (benchmarks/serving.py at concurrency 4)."""
         self._cost_ratios.add((mode, bucket, k), ratio)
 
     def _prefill_overhead(self) -> float:
