@@ -210,6 +210,7 @@ def test_auto_probes_a_k_whose_cost_it_has_not_measured(engine):
 
     key = ("mixed", 8)
     rates = np.array([1.0, 0.9, 0.5])
+    learned, engine._cost_ratios = engine._cost_ratios, engine_module._CostRatios()
     try:
         assert engine._probe(*key, rates) == 0  # the best of those not yet measured
         for _ in range(engine_module.COST_SEGMENTS_TRUSTED):
@@ -221,7 +222,7 @@ def test_auto_probes_a_k_whose_cost_it_has_not_measured(engine):
         assert engine._probe(*key, np.array([1.0, 0.9, 0.85])) == 2
         assert engine._probe(*key, np.array([1.0, 0.0, 0.0])) is None  # k > 0 ruled out (prefill bound)
     finally:
-        engine._cost_ratios = engine_module._CostRatios()
+        engine._cost_ratios = learned  # what the module's engine has learned, for the tests after this one
 
 
 # Two slots, prefilled between segments, greedy only, plain: the two tests below share these programs.

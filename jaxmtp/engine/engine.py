@@ -232,9 +232,9 @@ class Chooser:
         reach = np.cumprod(conditional, axis=1)
         return (1.0 + np.concatenate([np.zeros((len(rows), 1)), np.cumsum(reach, axis=1)], axis=1)).sum(axis=0)
 
-    def choose(self, rows: Sequence[int], seconds: np.ndarray) -> int:
-        """The k for a segment of `rows` at these seconds per round [k_max + 1]."""
-        rate = self.expected(rows) / seconds
+    def choose(self, rate: np.ndarray) -> int:
+        """The k for a segment whose rows' expected tokens per second at each k are `rate`
+        [k_max + 1] (expected(rows) over the seconds per round)."""
         best = int(np.argmax(rate))
         if self.k is None or self.k > self.k_max or rate[best] > rate[self.k] * (1 + self.hysteresis):
             self.k = best
@@ -1172,7 +1172,7 @@ class Engine:
             probe = self._probe(mode, bucket, rates)
             if probe is None:
                 probe = self._explore(rates)
-            k = self._chooser.choose(live, costs) if probe is None else probe
+            k = self._chooser.choose(rates) if probe is None else probe
         else:
             k = self.k_max
         refill = self._stale & (k > 0)
