@@ -225,6 +225,26 @@ def test_auto_probes_a_k_whose_cost_it_has_not_measured(engine):
         engine._cost_ratios = learned  # what the module's engine has learned, for the tests after this one
 
 
+def test_a_drafting_segment_is_learned_beside_slots_that_plain_rounds_left(engine, mixed):
+    """Plain rounds leave their slots' MTP state behind (a segment at k > 0 refills such a row
+    first, and its time is not learned); once those requests end, their free slots must not count
+    as refilling: a request decoding at k = 2 alone then adds its segments to the measured costs."""
+    from jaxmtp.engine import engine as engine_module
+
+    prompts, _, reference = mixed
+    learned, engine._cost_ratios = engine._cost_ratios, engine_module._CostRatios()
+    try:
+        engine.force_k(0)
+        assert engine.generate(prompts[:3], max_tokens=8) == [want[:8] for want in reference[:3]]
+        engine.force_k(2)
+        assert engine.generate(prompts[3:4], max_tokens=40) == [reference[3][:40]]
+        measured = {b: len(engine._cost_ratios.get(("greedy", b, 2))) for b in engine.buckets}
+    finally:
+        engine.force_k(None)
+        engine._cost_ratios = learned
+    assert sum(measured.values()) >= 2, measured
+
+
 # Two slots, prefilled between segments, greedy only, plain: the two tests below share these programs.
 BETWEEN = dict(buckets=(2,), max_len=256, prefill_chunk=CHUNK, segment_rounds=4, sampling=False, speculative_k=0,
                concurrent_prefill=False)
