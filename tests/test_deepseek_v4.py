@@ -203,7 +203,7 @@ def test_speculative_greedy_is_plain_greedy_across_window_and_compression_bounda
     prompts = [rng.integers(0, 8, n).tolist() for n in (5, 17, 11)]
     plain = model.greedy(prompts, 30)
     sizes = dict(cache_len=200, headroom=5)  # one cache shape: the rounds at each k compile once
-    for k in (0, 1, 2, 3, 4):
+    for k in (0, 1, 2, 3):
         out = generate(model, prompts, 30, k, **sizes)
         tokens, accepted = out.tokens, np.array([a for _, a in out.rounds])
         assert tokens == plain, k

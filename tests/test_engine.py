@@ -409,13 +409,13 @@ def test_a_full_queue_refuses_and_shutdown_ends_everything(demo):
 
 
 def test_sampled_requests_in_a_mixed_batch_follow_the_model():
-    """Sampled rows beside greedy rows, every segment at k = 2: the first two tokens of 2,048
+    """Sampled rows beside greedy rows, every segment at k = 2: the first two tokens of 1,024
     sampled requests (the prefill's, and the first verify round's: an accepted draft or a draw from
     the residual) against the exact distribution from full forward passes; the greedy rows equal
     plain greedy. Every other prompt is prefilled without the MTP pass (as while auto decodes
     plainly), so that its first draft comes from the segment's refill of its row alone."""
     model = gm.model("partial", CONFIG, head_scale=0.25)
-    samples, temperature, top_k, top_p, new = 2048, 1.0, 0, 0.9, 2
+    samples, temperature, top_k, top_p, new = 1024, 1.0, 0, 0.9, 2
     engine = Engine(model, slots=32, buckets=(32,), max_len=32, prefill_chunk=16, segment_rounds=4,
                     prefix_blocks=0, max_queue=8192, speculative_k=2)
     engine.start()

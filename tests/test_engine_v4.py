@@ -89,10 +89,10 @@ def test_v4_last_rows_run_in_a_small_bucket_from_their_slots(model):
 
 
 def test_v4_sampled_requests_in_a_mixed_batch_follow_the_model(engine, model):
-    """The first two tokens of 2,048 sampled requests (the prefill's, and the first verify round's:
+    """The first two tokens of 1,024 sampled requests (the prefill's, and the first verify round's:
     an accepted draft or a draw from the residual) at k = 2, beside greedy requests (every ninth),
     against the model's distribution; the greedy ones equal plain greedy."""
-    samples, new = 2048, 2
+    samples, new = 1024, 2
     greedy = model.greedy([SAMPLING_PROMPT], new)[0]
     engine.force_k(2)
     before = engine.snapshot()
