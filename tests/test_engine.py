@@ -307,6 +307,16 @@ def test_concurrent_prefill_needs_one_device(demo):
     assert not Engine(model, slots=8, max_len=256, speculative_k=0).concurrent  # the default, on a mesh
 
 
+def test_an_engine_of_fixed_k_runs_that_k_alone(demo):
+    """A fixed k's programs hold the rounds of that k only: forcing another is refused by name."""
+    engine = Engine(demo, slots=2, max_len=64, prefill_chunk=16, speculative_k=1)
+    assert engine.ks == (1,)
+    engine.force_k(1)
+    with pytest.raises(InputError, match="force_k: this engine runs k = 1 only"):
+        engine.force_k(0)
+    assert Engine(demo, slots=2, max_len=64, prefill_chunk=16).ks == (0, 1, 2)  # auto on a CPU: every k to 2
+
+
 def test_the_last_rows_run_in_a_small_bucket_from_their_slots(engine, demo, tokenizer):
     """Eight requests take slots 0..7; the two that run longest (the last two) then decode in the
     bucket of 2, gathered from their slots, and still equal plain greedy. The bucket of 2 is made
@@ -413,11 +423,12 @@ def test_sampled_requests_in_a_mixed_batch_follow_the_model():
     sampled requests (the prefill's, and the first verify round's: an accepted draft or a draw from
     the residual) against the exact distribution from full forward passes; the greedy rows equal
     plain greedy. Every other prompt is prefilled without the MTP pass (as while auto decodes
-    plainly), so that its first draft comes from the segment's refill of its row alone."""
+    plainly), so that its first draft comes from the segment's refill of its row alone (an auto
+    engine's programs: those of a fixed k never refill)."""
     model = gm.model("partial", CONFIG, head_scale=0.25)
     samples, temperature, top_k, top_p, new = 1024, 1.0, 0, 0.9, 2
     engine = Engine(model, slots=32, buckets=(32,), max_len=32, prefill_chunk=16, segment_rounds=4,
-                    prefix_blocks=0, max_queue=8192, speculative_k=2)
+                    prefix_blocks=0, max_queue=8192, speculative_k="auto")
     engine.start()
     drafting = itertools.cycle([True, False])  # one chunk per prompt here
     engine._drafting = lambda: next(drafting)

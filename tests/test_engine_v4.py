@@ -24,7 +24,7 @@ def model():
 
 # The engine's settings; the server of the serve test takes the same, so that one of them compiles
 # the programs and the other loads them from the test run's compile cache (tests/conftest.py).
-SETTINGS = dict(slots=16, max_len=64, prefill_chunk=16, prefix_blocks=8, speculative_k=2)
+SETTINGS = dict(slots=16, max_len=64, prefill_chunk=16, prefix_blocks=8, speculative_k="auto")
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +147,8 @@ def test_v4_engine_refuses_a_chunk_that_splits_compressed_entries():
 
 
 def test_jaxmtp_serve_answers_an_openai_client_on_a_v4_checkpoint(tmp_path, model):
-    """`jaxmtp serve` of a V4 checkpoint (speculating at k = 2): a completion and a streamed one of
-    token-id prompts equal plain greedy decoding alone."""
+    """`jaxmtp serve` of a V4 checkpoint (k chosen by auto, as in the engine tests): a completion
+    and a streamed one of token-id prompts equal plain greedy decoding alone."""
     from jaxmtp.models.deepseek_v4.checkpoint import save_v4
     from test_serve import Server
 

@@ -40,7 +40,8 @@ class Settings:
     """What the device side is specialised on: static (the MIXED loop configuration), params (the
     model's), slots, chunk (prefill chunk and prefix block), window (report tokens), stops (N, L),
     prefix_blocks (0: no store), stagings (staging states: 2 where prefill runs on a thread of its
-    own, which prefills the next request while the last waits to be inserted)."""
+    own, which prefills the next request while the last waits to be inserted), ks (the k that
+    segments run, each a loop of the segment programs)."""
 
     static: Static
     params: object
@@ -50,6 +51,7 @@ class Settings:
     stops: tuple[int, int]
     prefix_blocks: int
     stagings: int = 1
+    ks: tuple[int, ...] = (0,)
 
 
 class Device:
@@ -207,8 +209,9 @@ class Device:
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
         rows = programs.bucket_rows(halt, bucket)
         self.state, self.params, report = programs.segment(
-            static, bucket, self.s.window, self.s.params, self.state, self.params, np.int32(k), np.int32(rounds),
-            np.asarray(refill, bool), np.asarray(halt, bool), np.bool_(early), np.asarray(rows, np.int32))
+            static, bucket, self.s.window, self.s.ks, self.s.params, self.state, self.params, np.int32(k),
+            np.int32(rounds), np.asarray(refill, bool), np.asarray(halt, bool), np.bool_(early),
+            np.asarray(rows, np.int32))
         return programs.by_slot(_fetch(report), rows, self.s.slots)
 
     def compile_segment(self, *, greedy: bool, bucket: int):
@@ -216,8 +219,9 @@ class Device:
         persistent cache then holds it for that call); safe to run in threads side by side."""
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
         halt = jnp.zeros((self.s.slots,), bool)
-        programs.segment.lower(static, bucket, self.s.window, self.s.params, self.state, self.params, jnp.int32(0),
-                               jnp.int32(1), halt, halt, jnp.bool_(False), jnp.arange(bucket, dtype=jnp.int32)).compile()
+        programs.segment.lower(static, bucket, self.s.window, self.s.ks, self.s.params, self.state, self.params,
+                               jnp.int32(self.s.ks[0]), jnp.int32(1), halt, halt, jnp.bool_(False),
+                               jnp.arange(bucket, dtype=jnp.int32)).compile()
 
     def occupy(self, rows: np.ndarray, position: int):
         """Calibration: the rows set in rows [slots] (bool) run from `position` without limit

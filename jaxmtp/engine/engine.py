@@ -382,6 +382,9 @@ class Engine:
         k = c.speculative_k
         self.k_max = (auto_max_k(self.model) if model.config.has_mtp else 0) if k == "auto" else int(k)
         self.auto = k == "auto" and self.k_max > 0
+        # The k that segments run: every k up to the largest with auto, else the fixed k alone
+        # (a loop of the segment programs each, compiled and calibrated at start).
+        self.ks = tuple(range(self.k_max + 1)) if self.auto else (self.k_max,)
         chunk = c.prefill_chunk
         cache_len = -(-(c.max_len + self.k_max + 1) // chunk) * chunk
         if v4:
@@ -411,7 +414,7 @@ class Engine:
         self._prefix = PrefixStore(c.prefix_blocks, chunk, lookahead=0 if v4 else 1) if c.prefix_blocks else None
         settings = device.Settings(static=self.static, params=self.model.params, slots=c.slots, chunk=chunk,
                                    window=self.window, stops=(c.stop_sequences, c.stop_length),
-                                   prefix_blocks=c.prefix_blocks, stagings=2 if self.concurrent else 1)
+                                   prefix_blocks=c.prefix_blocks, stagings=2 if self.concurrent else 1, ks=self.ks)
         if v4:
             from jaxmtp.engine.v4 import V4Device
 
@@ -487,7 +490,7 @@ class Engine:
         every bucket's rows at each k from each of `_calibration_positions` (interleaved,
         TIMED_REPEATS each; the median), or takes `source`'s times."""
         self._progress(f"compiling the serving programs ({len(self.modes())} modes x {len(self.buckets)} batch buckets, "
-                       f"k = 0..{self.k_max})")
+                       f"k = {', '.join(map(str, self.ks))})")
         began = time.perf_counter()
         device = self._device
         self._compile_ahead()
@@ -503,7 +506,7 @@ class Engine:
         if self._prefix is not None:  # both copies once, with nothing to copy
             self._store_blocks([], [])
             device.load(np.zeros((device.blocks,), np.int32), 0)
-        drafts = (True, False) if self.k_max else (False,)  # the chunks' MTP pass, as _drafting chooses it
+        drafts = (True, False) if self.auto else (self.k_max > 0,)  # the chunks' MTP pass, as _drafting chooses it
         for size in self.chunk_sizes:  # each chunk program compiled
             for draft in drafts:
                 device.chunk(0, size, draft=draft)
@@ -519,9 +522,9 @@ class Engine:
                 device.ready()
                 chunk_times[draft].append(time.perf_counter() - began_chunk)
         self.chunk_seconds = statistics.median(chunk_times[drafts[0]])
-        if self.k_max:  # the MTP pass's share of a prefill chunk
+        if self.auto:  # the MTP pass's share of a prefill chunk
             self.draft_share = max(0.0, 1.0 - statistics.median(chunk_times[False]) / self.chunk_seconds)
-        ks = range(self.k_max + 1)
+        ks = self.ks
         positions = self._calibration_positions()
         times = {(m, b, p, k): [] for m in self.modes() for b in self.buckets for p in positions for k in ks}
         for repeat in range(TIMED_REPEATS + 1):
@@ -543,7 +546,7 @@ class Engine:
                                 for b in self.buckets}
         self._segment_seconds = self.config.segment_rounds * float(self.costs["greedy"][self.buckets[0]][0, 0])
         self._progress(f"a prefill chunk of {self.config.prefill_chunk} positions: {1e3 * self.chunk_seconds:.2f} ms; "
-                       "round costs (ms per round at k = 0..): " + "; ".join(
+                       f"round costs (ms per round at k = {', '.join(map(str, ks))}): " + "; ".join(
             f"{m} batch {b} from {p}: " + " ".join(f"{1e3 * s:.2f}" for s in self.costs[m][b][i])
             for m in self.modes() for b in self.buckets for i, p in enumerate(positions)))
 
@@ -572,13 +575,12 @@ class Engine:
         return (early, late)
 
     def round_costs(self, mode: str, bucket: int, furthest: int) -> np.ndarray:
-        """Seconds per round at k = 0..k_max [k_max + 1] for `bucket` rows whose furthest is at
+        """Seconds per round at each k of self.ks [len(ks)] for `bucket` rows whose furthest is at
         position `furthest` (a segment's rounds attend over more of the cache as they go): the
         calibrated costs interpolated in the cache positions attended (attention's share of a
         round grows with them)."""
-        table = self.costs[mode][bucket]  # [positions, k + 1]
-        reach = np.array([self._attended(furthest + self.config.segment_rounds * (k + 1) // 2)
-                          for k in range(table.shape[1])])
+        table = self.costs[mode][bucket]  # [positions, len(ks)]
+        reach = np.array([self._attended(furthest + self.config.segment_rounds * (k + 1) // 2) for k in self.ks])
         if len(self.cost_reach) == 1 or self.cost_reach[-1] == self.cost_reach[0]:
             return table[0]
         share = (reach - self.cost_reach[0]) / (self.cost_reach[-1] - self.cost_reach[0])
@@ -700,10 +702,14 @@ class Engine:
         return results
 
     def force_k(self, k: int | None):
-        """Every segment at this k (0..the engine's largest) instead of the chooser's, or None to
-        choose again: for measuring fixed k on the same compiled programs."""
+        """Every segment at this k (one of self.ks: any k up to the largest with auto, else the fixed
+        k) instead of the chooser's, or None to choose again: for measuring fixed k on the same
+        compiled programs."""
         if k is not None:
             checks.whole("k", k, minimum=0, maximum=self.k_max)
+            if k not in self.ks:
+                raise InputError(f"force_k: this engine runs k = {self.k_max} only (speculative_k='auto' runs "
+                                 f"every k up to its largest)")
         self._forced = k
 
     def stop_admitting(self):

@@ -231,15 +231,18 @@ class Report:
     rounds_at: jax.Array
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="state")
-def segment(static: Static, bucket: int, window: int, params, state: DecodeState, slot_params: SlotParams, k,
-            rounds, refill, halt, early, rows):
-    """Up to `rounds` rounds at k (traced, 0..static.k) on the slots rows [bucket] (bucket_rows); fewer once every row
-    is done, or with `early` once a row that was running finishes (requests wait for its slot).
-    refill [B]: rows whose MTP slots of the last AUTO_SEGMENT positions are written and d1 drafted
-    afresh first, where k > 0 (their last segment ran at k = 0, or their prefill skipped the MTP
-    pass); every row's key is split when any row refills. halt [B]: rows the host ended (or free),
-    done before the first round. static.mode: GREEDY (every live row greedy) or MIXED.
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames="state")
+def segment(static: Static, bucket: int, window: int, ks: tuple[int, ...], params, state: DecodeState,
+            slot_params: SlotParams, k, rounds, refill, halt, early, rows):
+    """Up to `rounds` rounds at k (traced, one of ks) on the slots rows [bucket] (bucket_rows);
+    fewer once every row is done, or with `early` once a row that was running finishes (requests
+    wait for its slot).
+    ks: the k the program holds a loop of (an engine of fixed k runs that k alone; auto every k).
+    refill [B], where ks holds 0 and a k > 0 (only there can a row's MTP state fall behind): rows
+    whose MTP slots of the last AUTO_SEGMENT positions are written and d1 drafted afresh first,
+    where k > 0 (their last segment ran at k = 0, or their prefill skipped the MTP pass); every
+    row's key is split when any row refills. halt [B]: rows the host ended (or free), done before
+    the first round. static.mode: GREEDY (every live row greedy) or MIXED.
 
     Returns (state, slot_params, Report of the bucket's rows, in `rows` order, with M = window)."""
     context_mesh(params, "engine.segment")
@@ -256,7 +259,7 @@ def segment(static: Static, bucket: int, window: int, params, state: DecodeState
     # Halted rows (free, or ended by the host) restart from position 0, so that the attention's
     # prefix (layout.prefix_attention: the shortest holding every row's position) follows the live rows.
     sub = sub.replace(tokens=t.replace(done=started_done, n=jnp.where(halted, 0, t.n)))
-    if static.k:
+    if 0 in ks and max(ks) > 0:
         stale = take(0, refill) & ~started_done
 
         def refilled(sub):
@@ -267,7 +270,7 @@ def segment(static: Static, bucket: int, window: int, params, state: DecodeState
 
         sub = jax.lax.cond(jnp.any(stale) & (k > 0), refilled, lambda sub: sub, sub)
     with jax.named_scope("segment"):
-        for j in range(static.k + 1):
+        for j in ks:
             def step(carry, j=j):
                 return carry[0] + 1, decode_round(static, j, params, carry[1], inputs)
 

@@ -202,14 +202,14 @@ def _round(static: V4Static, j: int, mode: SamplingMode, params, sub: Slots, inp
                        rounds_at=sub.rounds_at.at[:, j].add(live.astype(jnp.int32)))
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames="slots")
-def segment(static: V4Static, mode: SamplingMode, bucket: int, window: int, params, slots: Slots,
-            slot_params: programs.SlotParams, k, rounds, halt, early, rows):
-    """Up to `rounds` rounds at k (traced, 0..static.k) on the slots rows [bucket] (programs.bucket_rows); fewer once every row
-    is done, or with `early` once a row that was running finishes. halt [S]: rows the host ended
-    (or free), done before the first round. -> (slots, slot_params, programs.Report of the
-    bucket's rows in `rows` order with M = window: the tokens at the M positions up to each row's last
-    new one)."""
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnames="slots")
+def segment(static: V4Static, mode: SamplingMode, bucket: int, window: int, ks: tuple[int, ...], params,
+            slots: Slots, slot_params: programs.SlotParams, k, rounds, halt, early, rows):
+    """Up to `rounds` rounds at k (traced, one of ks: programs.segment) on the slots rows [bucket]
+    (programs.bucket_rows); fewer once every row is done, or with `early` once a row that was
+    running finishes. halt [S]: rows the host ended (or free), done before the first round. ->
+    (slots, slot_params, programs.Report of the bucket's rows in `rows` order with M = window: the
+    tokens at the M positions up to each row's last new one)."""
     context_mesh(params, "engine.v4.segment")
     take, put = programs.take_rows(rows, bucket, halt.shape[0])
     sub = _rows(take, slots)
@@ -220,7 +220,7 @@ def segment(static: V4Static, mode: SamplingMode, bucket: int, window: int, para
     started_done = sub.done | take(0, halt)
     sub = sub.replace(done=started_done)
     with jax.named_scope("segment"):
-        for j in range(static.k + 1):
+        for j in ks:
             def step(carry, j=j):
                 return carry[0] + 1, _round(static, j, mode, params, carry[1], inputs)
 
@@ -398,14 +398,14 @@ class V4Device(Device):
                    np.concatenate([halt, refill]).astype(np.int32))
         rows = programs.bucket_rows(halt, bucket)
         self.state, self.params, report = segment(
-            self.s.static, self._mode(greedy), bucket, self.s.window, self.s.params, self.state, self.params,
-            jnp.int32(k), jnp.int32(rounds), jnp.asarray(halt), jnp.bool_(early), jnp.asarray(rows))
+            self.s.static, self._mode(greedy), bucket, self.s.window, self.s.ks, self.s.params, self.state,
+            self.params, jnp.int32(k), jnp.int32(rounds), jnp.asarray(halt), jnp.bool_(early), jnp.asarray(rows))
         return programs.by_slot(_fetch(report), rows, self.s.slots)
 
     def compile_segment(self, *, greedy: bool, bucket: int):
         halt = jnp.zeros((self.s.slots,), bool)
-        segment.lower(self.s.static, self._mode(greedy), bucket, self.s.window, self.s.params, self.state,
-                      self.params, jnp.int32(0), jnp.int32(1), halt, jnp.bool_(False),
+        segment.lower(self.s.static, self._mode(greedy), bucket, self.s.window, self.s.ks, self.s.params,
+                      self.state, self.params, jnp.int32(self.s.ks[0]), jnp.int32(1), halt, jnp.bool_(False),
                       jnp.arange(bucket, dtype=jnp.int32)).compile()
 
     def occupy(self, rows: np.ndarray, position: int):
