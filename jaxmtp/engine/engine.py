@@ -131,10 +131,10 @@ class EngineConfig:
     with QueueFull). sampling: compile the sampling programs (else only greedy requests are taken).
     stop_sequences, stop_length: the per-request stop table (EOS ids included). hysteresis: how
     much more a new k must pay to replace the last. draft_margin: how much more a drafting k must
-    be predicted to pay than plain decoding (see Engine._decode). prefill_share: prefill time between two
-    segments, at most, as a share of a segment's time, per request waiting (at least one chunk
-    runs): the running requests' inter-token latency grows by about this share while one prompt is
-    prefilled (benchmarks/engine_latency.py), and by more while several wait."""
+    be predicted to pay than plain decoding (see Engine._decode). prefill_share: prefill time
+    between two segments, at most, as a share of a segment's time, per request waiting (at least
+    one chunk runs): the running requests' inter-token latency grows by about this share while one
+    prompt is prefilled (benchmarks/engine_latency.py), and by more while several wait."""
 
     slots: int = 16
     max_len: int = 1024
@@ -1160,7 +1160,8 @@ class Engine:
 
     def _decode(self):
         """One segment on the live slots' bucket, at the chosen k; its tokens delivered."""
-        live = [s for s, r in enumerate(self._running) if r is not None]
+        held = np.array([r is not None for r in self._running])
+        live = np.flatnonzero(held).tolist()
         mode = "greedy" if all(self._running[s].greedy for s in live) else "mixed"
         if not self.config.sampling:
             mode = "greedy"
@@ -1188,7 +1189,6 @@ class Engine:
             k = self._chooser.choose(rates) if probe is None else probe
         else:
             k = self.k_max
-        held = np.array([r is not None for r in self._running])
         # Free slots keep the flag their last request left, which the program ignores; counted,
         # it marked every later segment at k > 0 as refilling, so that auto never learned a
         # drafting round's cost and probed it again and again (benchmarks/serving.py at concurrency 1).
