@@ -16,6 +16,7 @@ import pytest
 
 import generation_models as gm
 import jaxmtp
+from long_tests import only_long
 from jaxmtp import cli, memory, quant
 from jaxmtp.checkpoint import sharded
 from jaxmtp.config import QuantizationConfig
@@ -73,7 +74,8 @@ def _run_generate(fp8_dir, extra):
     return lines
 
 
-@pytest.mark.parametrize("mesh, sizes", [("data=2,expert=2,tensor=2", (2, 2, 2)), ("expert=4,tensor=2", (1, 4, 2))])
+@pytest.mark.parametrize("mesh, sizes", [("data=2,expert=2,tensor=2", (2, 2, 2)), pytest.param(
+    "expert=4,tensor=2", (1, 4, 2), marks=only_long("data=2,expert=2,tensor=2 splits the experts and heads too"))])
 def test_generate_on_a_mesh_prints_the_single_device_tokens(fp8_dir, single_device_tokens, loaded, mesh, sizes):
     assert _run_generate(fp8_dir, ["--mesh", mesh]) == single_device_tokens
     (model,) = loaded

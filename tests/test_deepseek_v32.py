@@ -17,6 +17,7 @@ import deepseek_reference
 import generation_models as gm
 import hf_reference as ref
 import jaxmtp
+from long_tests import skip_unless_long
 from jaxmtp import indexer
 from jaxmtp.errors import ConfigError
 from jaxmtp.mla import MLA
@@ -65,6 +66,8 @@ def test_greedy_generate_matches_transformers_generate(pair):
     steps and verify passes (gathering the selected keys) among the cache. Plain and speculative
     decoding give HF's greedy tokens."""
     main, _, model, _, name = pair
+    if name != "v32_default_rope":
+        skip_unless_long("v32_default_rope's generation covers the loop, the other configs' logits HF parity")
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, main.config.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
     expected = []

@@ -11,6 +11,7 @@ import pytest
 from safetensors import safe_open
 
 import generation_models as gm
+from long_tests import only_long
 import jaxmtp
 from jaxmtp.decoding import start
 from jaxmtp.errors import InputError
@@ -23,6 +24,9 @@ from jaxmtp.sharding import ShardingWarning, make_mesh, place, shard_shapes
 
 CONFIG, PROMPTS = gm.MESH_CONFIG, gm.MESH_PROMPTS
 MESHES = [(1, 1, 8), (1, 8, 1), (2, 2, 2), (8, 1, 1)]  # each axis whole, and all three at once
+# Run with JAXMTP_LONG_TESTS=1 (tests/long_tests.py): (2, 2, 2) splits the heads and the rows as well.
+LONG_MESHES = {(1, 1, 8): "data=2, expert=2, tensor=2 splits the heads too",
+               (8, 1, 1): "data=2, expert=2, tensor=2 splits the rows too"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,9 @@ def _on_mesh(model, sizes):
     return jaxmtp.Model(model.config, place(model.params, param_shardings(model.config, model.params, mesh)), mesh)
 
 
-@pytest.mark.parametrize("sizes", MESHES, ids=[f"data{d}_expert{e}_tensor{t}" for d, e, t in MESHES])
+@pytest.mark.parametrize("sizes", [pytest.param(sizes, marks=only_long(LONG_MESHES[sizes])) if sizes in LONG_MESHES
+                                   else sizes for sizes in MESHES],
+                         ids=[f"data{d}_expert{e}_tensor{t}" for d, e, t in MESHES])
 def test_sharded_model_matches_single_device(single, sizes):
     sharded = _on_mesh(single, sizes)
     tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (8, 12))
