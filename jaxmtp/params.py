@@ -5,6 +5,7 @@ for a config."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from functools import partial
 
@@ -45,8 +46,7 @@ def abstract_params(config: ModelConfig, dtype=jnp.float32, keep_fp8: bool = Fal
     With keep_fp8 (and a quantized config), the weights a checkpoint stores in FP8 are
     QuantizedWeight(e4m3fn values, float32 block scales) instead of dense `dtype` arrays.
     """
-    boxed = jax.eval_shape(partial(init_variables, config, jnp.dtype(dtype), layout=layout), jax.random.key(0))
-    params = nn.meta.unbox(boxed)["params"]
+    params = nn.meta.unbox(_abstract_variables(config, jnp.dtype(dtype), layout))["params"]
     if keep_fp8 and config.quantization is not None:
         params = _quantized_leaves(params, config.quantization.weight_block_size)
     return params
@@ -68,8 +68,15 @@ def _quantized_leaves(tree, block, path=()):
 
 def logical_axes(config: ModelConfig, layout: Layout = CHECKPOINT) -> dict:
     """The logical axis names of every parameter in `layout`, as a pytree of PartitionSpecs."""
-    boxed = jax.eval_shape(partial(init_variables, config, jnp.float32, layout=layout), jax.random.key(0))
-    return nn.get_partition_spec(boxed)["params"]
+    return nn.get_partition_spec(_abstract_variables(config, jnp.dtype(jnp.float32), layout))["params"]
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_variables(config: ModelConfig, dtype, layout: Layout):
+    """The boxed variables of a fresh init, traced once per config, dtype and layout: tracing the
+    whole model takes a second or more, and one load asks for its shapes and its axis names several
+    times (callers get new trees: unbox and get_partition_spec map over it)."""
+    return jax.eval_shape(partial(init_variables, config, dtype, layout=layout), jax.random.key(0))
 
 
 def _tree_size(tree) -> int:

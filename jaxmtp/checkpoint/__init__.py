@@ -72,10 +72,17 @@ def fp8_block(path) -> tuple[int, int] | None:
     return tuple(quantization.weight_block_size)
 
 
+@jax.jit
+def _all_finite(tree):
+    """Whether each leaf of `tree` is finite everywhere (one jitted program per tree structure, reused
+    by later loads of the same model)."""
+    return jax.tree.map(lambda x: jnp.isfinite(x).all(), tree)
+
+
 def _check_finite(path, params):
     """CheckpointError naming the first parameter with a NaN or Inf (one jitted reduction per leaf,
     on the devices that hold it)."""
-    finite = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.isfinite(x).all(), tree))(params)
+    finite = _all_finite(params)
     for key_path, ok in jax.tree_util.tree_flatten_with_path(finite)[0]:
         if not ok:
             raise CheckpointError(f"{path}: parameter {jax.tree_util.keystr(key_path)} contains NaN or Inf")

@@ -208,33 +208,37 @@ class Device:
                    np.concatenate([halt, refill]).astype(np.int32))
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
         rows = programs.bucket_rows(halt, bucket)
-        state, ks, drafts = self._segment_state(k)
+        state, ks, refills, drafts = self._segment_state(k)
         state, self.params, report = programs.segment(
-            static, bucket, self.s.window, ks, self.s.params, state, self.params, np.int32(k),
+            static, bucket, self.s.window, ks, refills, self.s.params, state, self.params, np.int32(k),
             np.int32(rounds), np.asarray(refill, bool), np.asarray(halt, bool), np.bool_(early),
             np.asarray(rows, np.int32))
         self.state = state if drafts is None else state.replace(drafts=drafts)
         return programs.by_slot(_fetch(report), rows, self.s.slots)
 
     def _segment_state(self, k: int):
-        """The state a segment at k runs on, the loops its program holds, and the MTP state it
-        leaves out (or None). Where the slots hold MTP state and ks holds k > 0 too (auto), a
-        segment at k = 0 runs a program of plain rounds on the state without it: rounds at k = 0
-        leave it as it is, and the program that also holds the drafting loops and the refill
-        gathers and scatters it, and runs their entries, in every segment (see
-        benchmarks/serving.py at concurrency 1, where auto decodes plainly)."""
-        if k or self.state.drafts is None or self.s.ks == (0,):
-            return self.state, self.s.ks, None
-        return self.state.replace(drafts=None), (0,), self.state.drafts
+        """The state a segment at k runs on, the loops its program holds, whether it refills, and
+        the MTP state it leaves out (or None). An auto engine (ks holds 0 and a k > 0) runs two
+        programs: at k = 0 one of plain rounds on the state without its MTP state (rounds at k = 0
+        leave that state as it is, and a program that carries it gathers and scatters it, and runs
+        the drafting loops' and the refill's entries, in every segment: benchmarks/serving.py at
+        concurrency 1, where auto decodes plainly), and at k > 0 one of the drafting loops and
+        the refill."""
+        ks = self.s.ks
+        if self.state.drafts is None or ks[0] != 0 or len(ks) == 1:
+            return self.state, ks, False, None
+        if k == 0:
+            return self.state.replace(drafts=None), (0,), False, self.state.drafts
+        return self.state, ks[1:], True, None
 
     def compile_segment(self, *, greedy: bool, bucket: int):
-        """Compiles the segment program of this mode and bucket ahead of its first call (JAX's
-        persistent cache then holds it for that call); safe to run in threads side by side."""
+        """Compiles the segment programs of this mode and bucket ahead of their first call (JAX's
+        persistent cache then holds them for that call); safe to run in threads side by side."""
         static = dataclasses.replace(self.s.static, mode=programs.GREEDY) if greedy else self.s.static
         halt = jnp.zeros((self.s.slots,), bool)
-        for k in sorted({0, self.s.ks[-1]} & set(self.s.ks)):  # auto's plain variant too (_segment_state)
-            state, ks, _ = self._segment_state(k)
-            programs.segment.lower(static, bucket, self.s.window, ks, self.s.params, state, self.params,
+        for k in sorted({self.s.ks[0], self.s.ks[-1]}):  # auto's two programs (_segment_state)
+            state, ks, refills, _ = self._segment_state(k)
+            programs.segment.lower(static, bucket, self.s.window, ks, refills, self.s.params, state, self.params,
                                    jnp.int32(k), jnp.int32(1), halt, halt, jnp.bool_(False),
                                    jnp.arange(bucket, dtype=jnp.int32)).compile()
 

@@ -231,17 +231,18 @@ class Report:
     rounds_at: jax.Array
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames="state")
-def segment(static: Static, bucket: int, window: int, ks: tuple[int, ...], params, state: DecodeState,
-            slot_params: SlotParams, k, rounds, refill, halt, early, rows):
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnames="state")
+def segment(static: Static, bucket: int, window: int, ks: tuple[int, ...], refills: bool, params,
+            state: DecodeState, slot_params: SlotParams, k, rounds, refill, halt, early, rows):
     """Up to `rounds` rounds at k (traced, one of ks) on the slots rows [bucket] (bucket_rows);
     fewer once every row is done, or with `early` once a row that was running finishes (requests
     wait for its slot).
-    ks: the k the program holds a loop of (an engine of fixed k runs that k alone; auto every k).
-    refill [B], where ks holds 0 and a k > 0 (only there can a row's MTP state fall behind): rows
-    whose MTP slots of the last AUTO_SEGMENT positions are written and d1 drafted afresh first,
-    where k > 0 (their last segment ran at k = 0, or their prefill skipped the MTP pass); every
-    row's key is split when any row refills. halt [B]: rows the host ended (or free), done before
+    ks: the k the program holds a loop of (an engine of fixed k runs that k alone; auto's segments
+    at k = 0 run a program of (0,), its others one of every k > 0: Device._segment_state).
+    refills: whether the program refills (an engine that also runs k = 0, where a row's MTP state
+    can fall behind); then refill [B] marks rows whose MTP slots of the last AUTO_SEGMENT positions
+    are written and d1 drafted afresh first, where k > 0 (their last segment ran at k = 0, or their
+    prefill skipped the MTP pass); every row's key is split when any row refills. halt [B]: rows the host ended (or free), done before
     the first round. static.mode: GREEDY (every live row greedy) or MIXED.
 
     Returns (state, slot_params, Report of the bucket's rows, in `rows` order, with M = window)."""
@@ -259,7 +260,7 @@ def segment(static: Static, bucket: int, window: int, ks: tuple[int, ...], param
     # Halted rows (free, or ended by the host) restart from position 0, so that the attention's
     # prefix (layout.prefix_attention: the shortest holding every row's position) follows the live rows.
     sub = sub.replace(tokens=t.replace(done=started_done, n=jnp.where(halted, 0, t.n)))
-    if 0 in ks and max(ks) > 0:
+    if refills:
         stale = take(0, refill) & ~started_done
 
         def refilled(sub):
