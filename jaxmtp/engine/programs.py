@@ -242,8 +242,9 @@ def segment(static: Static, bucket: int, window: int, ks: tuple[int, ...], refil
     refills: whether the program refills (an engine that also runs k = 0, where a row's MTP state
     can fall behind); then refill [B] marks rows whose MTP slots of the last AUTO_SEGMENT positions
     are written and d1 drafted afresh first, where k > 0 (their last segment ran at k = 0, or their
-    prefill skipped the MTP pass); every row's key is split when any row refills. halt [B]: rows the host ended (or free), done before
-    the first round. static.mode: GREEDY (every live row greedy) or MIXED.
+    prefill skipped the MTP pass); every row's key is split when any row refills.
+    halt [B]: rows the host ended (or free), done before the first round.
+    static.mode: GREEDY (every live row greedy) or MIXED.
 
     Returns (state, slot_params, Report of the bucket's rows, in `rows` order, with M = window)."""
     context_mesh(params, "engine.segment")
