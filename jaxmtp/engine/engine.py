@@ -908,7 +908,7 @@ class Engine:
     def _learn_cost(self, mode: str, bucket: int, k: int, ratio: float):
         """A segment's measured seconds per round over the calibrated prediction, kept per (mode,
         bucket, k), the last COST_SEGMENTS of them; only segments that ran as calibration's ran
-        count: at least half the rounds asked of them, without a refill, and with no chunk of a
+        count: asked segment_rounds rounds and ran at least half of them, without a refill, and with no chunk of a
         prefill thread (concurrent_prefill, any engine in the process) beside them. Auto scales
         each k's calibrated cost by their median once COST_SEGMENTS_TRUSTED have run (1 before):
         under serving (rows at other positions, other replicas on the same cores) rounds cost more
@@ -1212,7 +1212,12 @@ class Engine:
         self.counters["segments_total"] += 1
         ran = max(self._account(slot, k, report) for slot in live)
         self.rounds_by_k[k] += ran
-        if predicted is not None and alone and 2 * ran >= rounds and not refill.any():  # as calibration's ran
+        # As calibration's ran: asked segment_rounds, and ran at least half. A segment's fixed cost is
+        # several rounds' worth at one row, and segments cut to a round or two as a prefill beside
+        # them ended priced plain rounds at several times their cost, so that auto drafted where plain
+        # rounds were faster (benchmarks/serving.py at concurrency 4).
+        full = rounds == self.config.segment_rounds and 2 * ran >= rounds
+        if predicted is not None and alone and full and not refill.any():
             self._learn_cost(mode, bucket, k, seconds / ran / predicted[k])
         if self.auto:
             self._plain_rounds = self._plain_rounds + ran if k == 0 else 0
