@@ -60,11 +60,6 @@ IDLE_SECONDS = 5.0  # an idle engine's heartbeat to the other processes
 # that a prefill chunk that takes longer than prefill_share of a segment is spread over more rounds.
 PREFILL_SPREAD = 4
 BUSY_DECAY = 0.95  # per segment, of the recent prefill and decode seconds that _prefill_overhead weighs
-COST_SEGMENTS = 16  # measured segments kept per (mode, bucket, k) to scale calibrated costs by
-COST_SEGMENTS_TRUSTED = 3  # and how many must have run before they do
-# Auto runs a k whose cost no segment has measured yet (COST_SEGMENTS_TRUSTED) where its predicted rate
-# is at least this share of the best k's (see Engine._probe).
-PROBE_SHARE = 0.8
 # After this many rounds at k = 0 in a row, auto runs one segment at its best k > 0, to measure the
 # acceptance again (see Engine._explore).
 EXPLORE_ROUNDS = 1024
@@ -77,47 +72,6 @@ EXPLORE_ROUNDS = 1024
 # drafting where plain decoding was faster (benchmarks/serving.py at concurrency 1).
 SLOT_PRIOR_ROUNDS = 64.0
 POOLED_DECAY = 0.999
-
-
-class _PrefillActivity:
-    """Chunks begun and ended by the prefill threads of every engine in this process (replicas
-    share the cores): a decode segment that ran while none was in flight measures a round's cost
-    alone (Engine._learn_cost)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.begun = self.ended = 0
-
-    def begin(self):
-        with self._lock:
-            self.begun += 1
-
-    def end(self):
-        with self._lock:
-            self.ended += 1
-
-    def mark(self) -> tuple[int, int]:
-        return self.begun, self.ended
-
-
-PREFILL_ACTIVITY = _PrefillActivity()
-
-
-class _CostRatios:
-    """Measured over calibrated seconds per round, the last COST_SEGMENTS per (mode, bucket, k),
-    for the engines that share a calibration (Replicas); any of their threads adds and reads."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._ratios = collections.defaultdict(lambda: collections.deque(maxlen=COST_SEGMENTS))
-
-    def add(self, key: tuple[str, int, int], ratio: float):
-        with self._lock:
-            self._ratios[key].append(ratio)
-
-    def get(self, key: tuple[str, int, int]) -> list[float]:
-        with self._lock:
-            return list(self._ratios.get(key, ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,7 +397,6 @@ class Engine:
         # the MTP pass; a segment at k > 0 refills them first.
         self._stale = np.zeros((c.slots,), bool)
         self._busy = {"prefill": 0.0, "decode": 0.0}  # recent seconds of each, decaying (see _prefill_overhead)
-        self._cost_ratios = _CostRatios()  # _learn_cost
         self._segment_seconds = 1.0  # the last segment's time, per segment_rounds rounds
         self._chunk_seconds = 0.0  # the last prefill chunk's time
         self._last_rounds = c.segment_rounds
@@ -458,8 +411,7 @@ class Engine:
     def start(self, *, calibrated_by: "Engine | None" = None) -> "Engine":
         """Compiles every program, measures a round's cost at each k for each bucket, then starts
         decoding on the engine's thread. -> self. calibrated_by: a started engine of the same model
-        and config whose measured costs this one takes, and shares what either learns of them while
-        serving (_learn_cost), instead of measuring its own (Replicas). With several processes,
+        and config whose measured costs this one takes instead of measuring its own (Replicas). With several processes,
         process 0 takes the requests and the others' start() runs process 0's operations as they
         come (jaxmtp.engine.device) until process 0 shuts down."""
         if self._thread is not None:
@@ -551,8 +503,8 @@ class Engine:
             for m in self.modes() for b in self.buckets for i, p in enumerate(positions)))
 
     def _take_calibration(self, source: "Engine"):
-        """`source`'s measured costs, and its store of what serving has measured since."""
-        self.costs, self.cost_reach, self._cost_ratios = source.costs, source.cost_reach, source._cost_ratios
+        """`source`'s measured costs."""
+        self.costs, self.cost_reach = source.costs, source.cost_reach
         self.chunk_seconds, self.draft_share = source.chunk_seconds, source.draft_share
         self._segment_seconds = source._segment_seconds
         self._progress("round costs taken from the engine that measured them")
@@ -905,20 +857,6 @@ class Engine:
                 staged.start = staged.cached = len(entries) * chunk
         self._staged = staged
 
-    def _learn_cost(self, mode: str, bucket: int, k: int, ratio: float):
-        """A segment's measured seconds per round over the calibrated prediction, kept per (mode,
-        bucket, k), the last COST_SEGMENTS of them; only segments that ran as calibration's ran
-        count: asked segment_rounds rounds and ran at least half of them, without a refill, and with no chunk of a
-        prefill thread (concurrent_prefill, any engine in the process) beside them. Auto scales
-        each k's calibrated cost by their median once COST_SEGMENTS_TRUSTED have run (1 before):
-        under serving (rows at other positions, other replicas on the same cores) rounds cost more
-        than calibration measured, and more so at some k than at others. A segment beside a
-        prefill chunk measures the chunk as much as the round; and since auto decodes plainly while
-        the prefill bounds the throughput (_prefill_bound), counting those made plain rounds look
-        several times dearer than they were and made auto draft where plain decoding was faster
-        (benchmarks/serving.py at concurrency 4)."""
-        self._cost_ratios.add((mode, bucket, k), ratio)
-
     def _prefill_overhead(self) -> float:
         """What speculating adds to each second of decoding in prefill: prompts are prefilled with
         the MTP pass while k > 0 (see _drafting), which takes draft_share of a chunk, and the engine
@@ -935,26 +873,6 @@ class Engine:
             return False
         with self._lock:
             return bool(self._waiting or self._inbox) and bool(self._free_slots())
-
-    def _cost_scales(self, mode: str, bucket: int) -> np.ndarray:
-        """Each k's scale of the calibrated cost [k_max + 1] (see _learn_cost)."""
-        ratios = [self._cost_ratios.get((mode, bucket, k)) for k in range(self.k_max + 1)]
-        return np.array([statistics.median(r) if len(r) >= COST_SEGMENTS_TRUSTED else 1.0 for r in ratios])
-
-    def _probe(self, mode: str, bucket: int, rates: np.ndarray) -> int | None:
-        """A k to run this segment so as to measure its cost, or None: of the k whose cost scale
-        is not yet trusted (fewer than COST_SEGMENTS_TRUSTED measured segments at this mode and
-        bucket), the one of the highest predicted rate (tokens per second, rates [k_max + 1]), if
-        that is at least PROBE_SHARE of the best. Only the k that run are measured: where
-        calibration misjudged a k that auto then never ran (plain rounds cost less under serving
-        than calibration measured, while drafting rounds cost more), auto kept to the others
-        (benchmarks/serving.py at concurrency 1 and 4)."""
-        untrusted = [k for k in range(self.k_max + 1)
-                     if len(self._cost_ratios.get((mode, bucket, k))) < COST_SEGMENTS_TRUSTED and rates[k] > 0]
-        if not untrusted:
-            return None
-        k = max(untrusted, key=lambda k: rates[k])
-        return k if rates[k] >= PROBE_SHARE * rates.max() else None
 
     def _explore(self, rates: np.ndarray) -> int | None:
         """After EXPLORE_ROUNDS rounds at k = 0 in a row, the k > 0 of the highest predicted rate
@@ -1080,12 +998,8 @@ class Engine:
                     began = time.perf_counter()
                     plan = self._chunk_plan(staged)
                     staged.due = began + sum(self._chunk_times.get(size, self.chunk_seconds) for size in plan)
-                    PREFILL_ACTIVITY.begin()
-                    try:
-                        last = self._prefill_chunk(staged)
-                        self._device.ready(decode=False)
-                    finally:
-                        PREFILL_ACTIVITY.end()
+                    last = self._prefill_chunk(staged)
+                    self._device.ready(decode=False)
                     seconds = time.perf_counter() - began
                     self._chunk_times[plan[0]] = seconds
                     staged.seconds += seconds
@@ -1167,31 +1081,14 @@ class Engine:
             mode = "greedy"
         furthest = max(self._running[s].prompt_len + self._running[s].delivered for s in live)
         bucket = self._bucket(mode, len(live), furthest)
-        predicted = None
-        if self.auto:  # what auto chooses from, and learns from below
-            predicted = self.round_costs(mode, bucket, furthest)
         if self._forced is not None:
             k = self._forced
         elif self.auto:
-            costs = predicted * self._cost_scales(mode, bucket)
-            if self._prefill_bound():
-                costs[1:] = np.inf
-            else:
-                # Drafting also costs what a segment's rounds do not show (the MTP pass in the
-                # prefill chunks beside them, refills): at concurrency 4 on two replicas the
-                # measured costs predicted k = 1 as fast as plain rounds, and it served 0.86 of
-                # plain's tokens per second (benchmarks/serving.py).
-                costs[1:] *= (1 + self._prefill_overhead()) * (1 + self.config.draft_margin)
-            rates = self._chooser.expected(live) / costs
-            probe = self._probe(mode, bucket, rates)
-            if probe is None:
-                probe = self._explore(rates)
-            k = self._chooser.choose(rates) if probe is None else probe
+            k = self._choose_k(live, self.round_costs(mode, bucket, furthest))
         else:
             k = self.k_max
-        # Free slots keep the flag their last request left, which the program ignores; counted,
-        # it marked every later segment at k > 0 as refilling, so that auto never learned a
-        # drafting round's cost and probed it again and again (benchmarks/serving.py at concurrency 1).
+        # Free slots keep the flag their last request left, which the program ignores: refill only
+        # the live rows.
         refill = self._stale & held & (k > 0)
         with self._lock:
             early = bool(self._waiting or self._inbox) and len(live) == self.slots
@@ -1199,12 +1096,10 @@ class Engine:
         self._last_rounds = rounds
         self._device.ready(staging=not self.concurrent)  # the segment's time alone, not that of copies still
         # running before it (the staging state is the prefill thread's)
-        before = PREFILL_ACTIVITY.mark()
         began = time.perf_counter()
         report = self._device.segment(greedy=mode == "greedy", bucket=bucket, k=k, rounds=rounds, refill=refill,
                                       early=early, halt=~held)
         seconds = time.perf_counter() - began
-        alone = before[0] == before[1] == PREFILL_ACTIVITY.mark()[0]  # no prefill chunk ran beside it
         self._busy = {name: BUSY_DECAY * spent for name, spent in self._busy.items()}
         self._busy["decode"] += seconds
         self._segment_k = k
@@ -1212,15 +1107,32 @@ class Engine:
         self.counters["segments_total"] += 1
         ran = max(self._account(slot, k, report) for slot in live)
         self.rounds_by_k[k] += ran
-        # As calibration's ran: asked segment_rounds, and ran at least half. A segment's fixed cost is
-        # several rounds' worth at one row, and segments cut to a round or two as a prefill beside
-        # them ended priced plain rounds at several times their cost, so that auto drafted where plain
-        # rounds were faster (benchmarks/serving.py at concurrency 4).
-        full = rounds == self.config.segment_rounds and 2 * ran >= rounds
-        if predicted is not None and alone and full and not refill.any():
-            self._learn_cost(mode, bucket, k, seconds / ran / predicted[k])
         if self.auto:
             self._plain_rounds = self._plain_rounds + ran if k == 0 else 0
+
+    def _choose_k(self, live: list[int], costs: np.ndarray) -> int:
+        """Auto's k for a segment of the `live` rows whose calibrated seconds per round at each k
+        are `costs` [k_max + 1]: the chooser's, from the rows' expected tokens per second.
+
+        The costs are calibration's, not rescaled by what serving segments measure: the relative
+        cost of the k is what decides, and calibration measures every k on the same rows back to
+        back (on one engine, within 4% of what serving's segments measured at buckets 1 and 2),
+        while serving segments measure each k at other times, under other contention. Learned per
+        k, one k's few unlucky segments made it look a third dearer or cheaper than another, by
+        run, and auto drafted where plain decoding was faster (benchmarks/serving.py at
+        concurrency 4 on two replicas)."""
+        costs = costs.copy()
+        if self._prefill_bound():
+            costs[1:] = np.inf
+        else:
+            # Drafting also costs what calibration's rounds do not show (the MTP pass in the
+            # prefill chunks, refills), and the chooser's acceptance runs a few percent above what
+            # the rows then accept: at two rows on one engine, calibration and acceptance rated
+            # k = 1 2% above plain rounds where its segments delivered 5% fewer tokens per second.
+            costs[1:] *= (1 + self._prefill_overhead()) * (1 + self.config.draft_margin)
+        rates = self._chooser.expected(live) / costs
+        explore = self._explore(rates)
+        return self._chooser.choose(rates) if explore is None else explore
 
     def _segment_rounds(self) -> int:
         """Rounds for the next segment: segment_rounds, except while a prompt is prefilled. Between

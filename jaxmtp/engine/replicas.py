@@ -59,9 +59,7 @@ class Replicas:
 
     def start(self) -> "Replicas":
         """Starts each replica in turn: the first compiles the programs and measures the round
-        costs; the others reuse its programs and take its costs, and all of them add to and read
-        one store of what their segments measure while serving (Engine.start's calibrated_by), so
-        that auto learns the costs from all of them at once. -> self."""
+        costs; the others reuse its programs and take its costs (Engine.start's calibrated_by). -> self."""
         first = self.engines[0].start()
         for engine in self.engines[1:]:
             engine.start(calibrated_by=first)

@@ -173,7 +173,7 @@ def _variables(config: V4Config, dtype, key):
 
 def logical_axes(config: V4Config) -> dict:
     """The logical axis names of every parameter, as a pytree of PartitionSpecs."""
-    return nn.get_partition_spec(_abstract(config, jnp.dtype(jnp.float32), boxed=True))["params"]
+    return nn.get_partition_spec(_abstract(config, jnp.dtype(jnp.float32)))["params"]
 
 
 def param_shardings(config: V4Config, params, mesh):
@@ -201,18 +201,16 @@ def param_shardings(config: V4Config, params, mesh):
 
 def abstract_params(config: V4Config, dtype=jnp.bfloat16):
     """The parameter tree's shapes and dtypes (jax.ShapeDtypeStruct leaves), without allocating."""
-    abstract = _abstract(config, jnp.dtype(dtype), boxed=False)
+    abstract = nn.meta.unbox(_abstract(config, jnp.dtype(dtype)))["params"]
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract(config: V4Config, dtype, boxed: bool):
-    """The variables of a fresh init (boxed with their axis names, or the parameters unboxed),
-    traced once per config and dtype: tracing the whole model takes a second or more, and one load
-    asks for its shapes and its axis names several times."""
-    if boxed:
-        return jax.eval_shape(partial(_variables, config, dtype), jax.random.key(0))
-    return jax.eval_shape(lambda key: nn.meta.unbox(_variables(config, dtype, key))["params"], jax.random.key(0))
+def _abstract(config: V4Config, dtype):
+    """The boxed variables of a fresh init, traced once per config and dtype: tracing the whole
+    model takes a second or more, and one load asks for its shapes and its axis names several times
+    (callers get new trees: unbox and get_partition_spec map over it)."""
+    return jax.eval_shape(partial(_variables, config, dtype), jax.random.key(0))
 
 
 def parameter_counts(config: V4Config) -> dict[str, int]:
