@@ -30,6 +30,7 @@ prefix store keeps each chunk's compressed entries and ring buffers as the chunk
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import dataclasses
@@ -351,7 +352,7 @@ class Engine:
         self.buckets = c.bucket_sizes()
         # The cache prefixes a round can attend over (see _attended).
         prefixed = not v4 and self.model.layout.prefix_attention
-        self._prefixes = np.array(prefix_lengths(cache_len) if prefixed else (cache_len,))
+        self._prefixes = tuple(int(n) for n in (prefix_lengths(cache_len) if prefixed else (cache_len,)))
         # A prompt's last positions run in a chunk of a half or a quarter of prefill_chunk where
         # they fit one (multiples of 16), instead of a whole chunk of padding.
         self.chunk_sizes = tuple(size for size in (chunk // 4, chunk // 2, chunk) if size >= 16 and size % 16 == 0)
@@ -364,6 +365,11 @@ class Engine:
         # mode -> bucket -> seconds per round [calibration positions, k]; the cache positions their rounds attended
         self.costs: dict[str, dict[int, np.ndarray]] = {}
         self.cost_reach = np.zeros(0, np.int64)
+        # (mode, bucket, positions attended at each k) -> round_costs' answer, which every segment
+        # asks for each bucket: interpolated afresh, it made auto's bookkeeping at k = 0 cost
+        # several times a plain engine's, a few percent of the demo's segments at one row
+        # (benchmarks/serving.py at concurrency 1).
+        self._cost_memo: dict[tuple, np.ndarray] = {}
         self._chooser = Chooser(max(self.k_max, 1), c.slots, c.hysteresis)
         self._prefix = PrefixStore(c.prefix_blocks, chunk, lookahead=0 if v4 else 1) if c.prefix_blocks else None
         settings = device.Settings(static=self.static, params=self.model.params, slots=c.slots, chunk=chunk,
@@ -496,6 +502,7 @@ class Engine:
         for mode in self.modes():
             self.costs[mode] = {b: np.array([[statistics.median(times[mode, b, p, k]) for k in ks] for p in positions])
                                 for b in self.buckets}
+        self._cost_memo.clear()
         self._segment_seconds = self.config.segment_rounds * float(self.costs["greedy"][self.buckets[0]][0, 0])
         self._progress(f"a prefill chunk of {self.config.prefill_chunk} positions: {1e3 * self.chunk_seconds:.2f} ms; "
                        f"round costs (ms per round at k = {', '.join(map(str, ks))}): " + "; ".join(
@@ -505,6 +512,7 @@ class Engine:
     def _take_calibration(self, source: "Engine"):
         """`source`'s measured costs."""
         self.costs, self.cost_reach = source.costs, source.cost_reach
+        self._cost_memo.clear()
         self.chunk_seconds, self.draft_share = source.chunk_seconds, source.draft_share
         self._segment_seconds = source._segment_seconds
         self._progress("round costs taken from the engine that measured them")
@@ -513,7 +521,7 @@ class Engine:
         """Cache positions a round attends over when its furthest row is at `position`: the
         shortest prefix holding it with layout.prefix_attention, else the whole cache."""
         lengths = self._prefixes
-        return int(lengths[min(np.searchsorted(lengths, position, side="right"), len(lengths) - 1)])
+        return lengths[min(bisect.bisect_right(lengths, position), len(lengths) - 1)]
 
     def _calibration_positions(self) -> tuple[int, ...]:
         """Where calibration's rows start: early in the shortest attended prefix and, with auto
@@ -530,13 +538,29 @@ class Engine:
         """Seconds per round at each k of self.ks [len(ks)] for `bucket` rows whose furthest is at
         position `furthest` (a segment's rounds attend over more of the cache as they go): the
         calibrated costs interpolated in the cache positions attended (attention's share of a
-        round grows with them)."""
-        table = self.costs[mode][bucket]  # [positions, len(ks)]
-        reach = np.array([self._attended(furthest + self.config.segment_rounds * (k + 1) // 2) for k in self.ks])
-        if len(self.cost_reach) == 1 or self.cost_reach[-1] == self.cost_reach[0]:
-            return table[0]
-        share = (reach - self.cost_reach[0]) / (self.cost_reach[-1] - self.cost_reach[0])
-        return table[0] + np.clip(share, 0.0, 1.0) * (table[-1] - table[0])
+        round grows with them). Read-only (kept for the next segment that attends as far)."""
+        return self._costs_at(mode, bucket, self._reach(furthest))
+
+    def _reach(self, furthest: int) -> tuple[int, ...]:
+        """The cache positions a segment's rounds attend over, halfway through it, at each k of
+        self.ks when its furthest row starts at `furthest`."""
+        rounds = self.config.segment_rounds
+        return tuple(self._attended(furthest + rounds * (k + 1) // 2) for k in self.ks)
+
+    def _costs_at(self, mode: str, bucket: int, reach: tuple[int, ...]) -> np.ndarray:
+        """round_costs for rounds that attend over `reach` positions at each k."""
+        key = (mode, bucket, reach)
+        costs = self._cost_memo.get(key)
+        if costs is None:
+            table = self.costs[mode][bucket]  # [positions, len(ks)]
+            if len(self.cost_reach) == 1 or self.cost_reach[-1] == self.cost_reach[0]:
+                costs = table[0].copy()
+            else:
+                share = (np.array(reach) - self.cost_reach[0]) / (self.cost_reach[-1] - self.cost_reach[0])
+                costs = table[0] + np.clip(share, 0.0, 1.0) * (table[-1] - table[0])
+            costs.flags.writeable = False
+            self._cost_memo[key] = costs
+        return costs
 
     def _compile_ahead(self):
         """The segment programs (the largest) compiled side by side in threads (XLA compiles
@@ -1155,8 +1179,9 @@ class Engine:
         caches from their slots and scatters them back (programs.take_rows), whole, so that with
         long caches the largest bucket can cost less than a smaller one
         (benchmarks/engine_latency.py's round costs at 4,096 positions)."""
+        reach = self._reach(furthest)
         fits = [b for b in self.buckets if b >= live]
-        return min(fits, key=lambda b: self.round_costs(mode, b, furthest)[0])
+        return min(fits, key=lambda b: self._costs_at(mode, b, reach)[0])
 
     def _account(self, slot: int, k: int, report: programs.Report) -> int:
         """A live slot's part of a segment's report: its acceptance counted, its new tokens
