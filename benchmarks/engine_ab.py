@@ -1,0 +1,109 @@
+"""Serving engines of several speculation settings in one process, side by side: closed-loop at one
+concurrency, in short phases whose order rotates, so that slow drift of a shared machine falls on
+every setting alike.
+
+benchmarks/serving.py measures the server as a client sees it, but its phases of one setting vary
+by 10% or more on a shared CPU, more than the few percent that decide whether auto keeps up with
+plain decoding where it decodes plainly. Here each phase sends --requests held-out prompts (the
+first --max-prompt tokens of each, lengths seeded) to one engine, --concurrency at a time, every
+engine the same prompts in the same phase. Printed: each setting's median tokens/s, the median of
+its per-phase ratios to the first setting with a bootstrap 90% interval, and its rounds by k.
+
+    python benchmarks/engine_ab.py [--configs 0,auto] [--concurrency 1] [--phases 30]
+        [--requests 12] [--max-tokens 96] [--slots 8] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import statistics
+import time
+
+import numpy as np
+
+
+def parse_k(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def phase_rate(engine, prompts: list[list[int]], *, concurrency: int, max_tokens: int) -> float:
+    """Output tokens per second of one engine over `prompts`, `concurrency` requests at a time."""
+    began = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        outputs = list(pool.map(lambda p: engine.generate([p], max_tokens=max_tokens)[0], prompts))
+    return sum(map(len, outputs)) / (time.perf_counter() - began)
+
+
+def paired(rates: dict[str, list[float]], name: str, reference: str, rng: np.random.Generator) -> dict:
+    """The median of `name`'s per-phase ratios to `reference`'s, with a bootstrap 90% interval."""
+    ratios = np.array(rates[name]) / np.array(rates[reference])
+    medians = [np.median(rng.choice(ratios, len(ratios))) for _ in range(2000)]
+    low, high = np.percentile(medians, [5, 95])
+    return {"median": float(np.median(ratios)), "interval_90": [float(low), float(high)]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="0,auto", help="speculative_k of each engine; ratios are to the first")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--phases", type=int, default=30, help="phases per engine")
+    parser.add_argument("--requests", type=int, default=12, help="requests per phase")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-prompt", type=int, default=400, help="longest prompt in tokens (shortest 32)")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the figures and per-phase rates, with their provenance, here")
+    args = parser.parse_args()
+    from tokenizers import Tokenizer
+
+    import jaxmtp
+    from jaxmtp import data
+    from jaxmtp.engine import Engine
+    from jaxmtp.provenance import write
+
+    configs = [parse_k(c) for c in args.configs.split(",")]
+    names = [str(c) for c in configs]
+    if len(set(names)) != len(names) or len(names) < 2:
+        parser.error(f"--configs: expected two or more distinct settings, found {args.configs}")
+    model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
+    tokenizer = Tokenizer.from_file(f"{jaxmtp.DEMO_MODEL}/tokenizer.json")
+    engines = {}
+    for name, k in zip(names, configs):
+        print(f"starting the engine at speculative_k={name}", flush=True)
+        engines[name] = Engine(model, tokenizer=tokenizer, slots=args.slots, max_len=args.max_len,
+                               speculative_k=k, progress=lambda message: None).start()
+    rng = np.random.default_rng(args.seed)
+    texts = data.held_out_prompts(tokenizer, 4 * args.requests, args.max_prompt)
+    prompts = [list(t[:int(rng.integers(32, args.max_prompt + 1))]) for t in texts]
+    for engine in engines.values():  # untimed: each program's first run
+        phase_rate(engine, prompts[:args.concurrency], concurrency=args.concurrency, max_tokens=args.max_tokens)
+    rates = {name: [] for name in names}
+    try:
+        for i in range(args.phases):
+            start = (i * args.requests) % len(prompts)
+            mine = (prompts + prompts)[start:start + args.requests]
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                rates[name].append(phase_rate(engines[name], mine, concurrency=args.concurrency,
+                                              max_tokens=args.max_tokens))
+            print(f"phase {i}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in names) + " tokens/s", flush=True)
+    finally:
+        rounds = {name: {str(k): int(v) for k, v in engine.rounds_by_k.items() if v} for name, engine in engines.items()}
+        for engine in engines.values():
+            engine.shutdown(timeout=10)
+    figures = {"concurrency": args.concurrency, "requests_per_phase": args.requests, "max_tokens": args.max_tokens,
+               "slots": args.slots, "max_len": args.max_len, "reference": names[0],
+               "tokens_per_s": {n: statistics.median(v) for n, v in rates.items()},
+               "paired": {n: paired(rates, n, names[0], rng) for n in names[1:]}, "rounds_by_k": rounds}
+    print("median tokens/s: " + ", ".join(f"{n} {v:.1f}" for n, v in figures["tokens_per_s"].items()))
+    for n, p in figures["paired"].items():
+        print(f"{n} / {names[0]}: median of {args.phases} paired ratios {p['median']:.3f} "
+              f"(90% interval {p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f}); rounds by k {rounds[n]}")
+    if args.json:
+        write(args.json, "engine_ab", figures, {"tokens_per_s": rates}, args.phases,
+              prompts_sha256=data.prompts_sha256())
+
+
+if __name__ == "__main__":
+    main()
