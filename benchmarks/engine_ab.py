@@ -4,8 +4,8 @@ every setting alike.
 
 benchmarks/serving.py measures the server as a client sees it, but its phases of one setting vary
 by 10% or more on a shared CPU, more than the few percent that decide whether auto keeps up with
-plain decoding where it decodes plainly. Here each phase sends --requests held-out prompts (the
-first --max-prompt tokens of each, lengths seeded) to one engine, --concurrency at a time, every
+plain decoding where it decodes plainly. Here each phase sends --requests held-out prompts (each
+cut to a seeded length of 32..--max-prompt tokens) to one engine, --concurrency at a time, every
 engine the same prompts in the same phase. Printed: each setting's median tokens/s, the median of
 its per-phase ratios to the first setting with a bootstrap 90% interval, and its rounds by k.
 
