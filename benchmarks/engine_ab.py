@@ -23,10 +23,6 @@ import time
 import numpy as np
 
 
-def parse_k(text: str) -> int | str:
-    return text if text == "auto" else int(text)
-
-
 def phase_rate(engine, prompts: list[list[int]], *, concurrency: int, max_tokens: int) -> float:
     """Output tokens per second of one engine over `prompts`, `concurrency` requests at a time."""
     began = time.perf_counter()
@@ -63,7 +59,12 @@ def main() -> None:
     from jaxmtp.engine import Engine
     from jaxmtp.provenance import write
 
-    configs = [parse_k(c) for c in args.configs.split(",")]
+    from jaxmtp.cli import _k_value  # the CLI's --k: "auto" or 0..MAX_SPECULATIVE_K, with its message
+
+    try:
+        configs = [_k_value(c) for c in args.configs.split(",")]
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--configs: {error}")
     names = [str(c) for c in configs]
     if len(set(names)) != len(names) or len(names) < 2:
         parser.error(f"--configs: expected two or more distinct settings, found {args.configs}")
