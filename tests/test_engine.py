@@ -429,3 +429,57 @@ def test_sampled_requests_in_a_mixed_batch_follow_the_model():
     expected = exact_distribution(model, temperature, top_k, top_p).sum(axis=2) * samples  # the first two tokens
     assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
     assert 0.05 < accepted / drafted < 0.95  # both the accept and the reject paths ran
+
+
+def test_chooser_expectation_follows_every_count_that_changes():
+    """Chooser.expected against the formulas written out: a row's conditional acceptance at draft
+    position i is (its hits + the pooled estimate x SLOT_PRIOR_ROUNDS) / (its tries +
+    SLOT_PRIOR_ROUNDS), the pooled estimate (pooled hits + the fixed prior) / (pooled tries +
+    PRIOR_ROUNDS), counts decayed per round; expected tokens per round at k are 1 + the sum over
+    i < k of the product of the first i + 1 conditionals, summed over the rows. Asked again after
+    rounds at k = 0 (which change no count), after drafting rounds and after a slot is reset."""
+    from jaxmtp import adaptive
+    from jaxmtp.engine.engine import POOLED_DECAY, SLOT_PRIOR_ROUNDS, Chooser
+
+    k_max, slots = 3, 4
+    tried = [[0.0] * k_max for _ in range(slots)]
+    hits = [[0.0] * k_max for _ in range(slots)]
+    pooled_tried, pooled_hits = [0.0] * k_max, [0.0] * k_max
+
+    def count(slot, k, rounds, accepted_at):  # the counts as Chooser.record documents them
+        nonlocal pooled_tried, pooled_hits
+        if not k or not rounds:
+            return
+        new_tried = [rounds] + [accepted_at[i - 1] if i < k else 0 for i in range(1, k_max)]
+        new_hits = [accepted_at[i] if i < k else 0 for i in range(k_max)]
+        d, p = adaptive.DECAY ** rounds, POOLED_DECAY ** rounds
+        tried[slot] = [d * a + b for a, b in zip(tried[slot], new_tried)]
+        hits[slot] = [d * a + b for a, b in zip(hits[slot], new_hits)]
+        pooled_tried = [p * a + b for a, b in zip(pooled_tried, new_tried)]
+        pooled_hits = [p * a + b for a, b in zip(pooled_hits, new_hits)]
+
+    def want(rows):
+        prior = [(h + adaptive.PRIOR_ACCEPTANCE * adaptive.PRIOR_ROUNDS) / (t + adaptive.PRIOR_ROUNDS)
+                 for h, t in zip(pooled_hits, pooled_tried)]
+        total = [0.0] * (k_max + 1)
+        for r in rows:
+            reach, tokens = 1.0, [1.0]
+            for i in range(k_max):
+                reach *= (hits[r][i] + prior[i] * SLOT_PRIOR_ROUNDS) / (tried[r][i] + SLOT_PRIOR_ROUNDS)
+                tokens.append(tokens[-1] + reach)
+            total = [a + b for a, b in zip(total, tokens)]
+        return total
+
+    chooser = Chooser(k_max, slots, hysteresis=0.05)
+    steps = [(1, 2, 10, [6, 3, 0]), (1, 0, 8, [0, 0, 0]), (2, 3, 5, [4, 2, 1]), (0, 1, 7, [2, 0, 0]),
+             ("reset", 1), (3, 3, 9, [9, 8, 7])]
+    for step in steps:
+        if step[0] == "reset":
+            chooser.reset(step[1])
+            tried[step[1]], hits[step[1]] = [0.0] * k_max, [0.0] * k_max
+        else:
+            slot, k, rounds, accepted_at = step
+            chooser.record(slot, k, rounds, np.array(accepted_at))
+            count(slot, k, rounds, accepted_at)
+        for rows in ([1], [1, 2], [0, 1, 2, 3]):
+            np.testing.assert_allclose(chooser.expected(rows), want(rows), rtol=1e-12, err_msg=f"after {step}")

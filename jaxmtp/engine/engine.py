@@ -6,11 +6,11 @@ admitted into free slots (the lowest first), and are prefilled a chunk at a time
 one process, on a thread of their own beside the decode segments (a decode step's small kernels
 leave a core mostly idle; two staging states let the next prompt be prefilled while the last waits
 for its slot), elsewhere between segments, so that a long prompt delays the running requests by a
-chunk per segment rather than by its whole prefill (EngineConfig.concurrent_prefill). Each segment runs a bounded number of rounds on the live rows at one k, in the
-batch bucket that holds them at the least calibrated cost (a bucket smaller than every slot
-gathers its rows from their slots, so that the last rows of a burst do not run at the full batch's
-cost: benchmarks/engine_profile.py), and returns early when a row finishes while requests wait for
-a slot.
+chunk per segment rather than by its whole prefill (EngineConfig.concurrent_prefill). Each segment
+runs a bounded number of rounds on the live rows at one k, in the batch bucket that holds them at
+the least calibrated cost (a bucket smaller than every slot gathers its rows from their slots, so
+that the last rows of a burst do not run at the full batch's cost: benchmarks/engine_profile.py),
+and returns early when a row finishes while requests wait for a slot.
 
 k is chosen per segment (`Chooser`): the expected tokens per round of every live row at each k
 (from its own acceptance by draft position, with the engine's pooled acceptance as its prior) over
@@ -36,6 +36,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -62,8 +63,10 @@ IDLE_SECONDS = 5.0  # an idle engine's heartbeat to the other processes
 PREFILL_SPREAD = 4
 BUSY_DECAY = 0.95  # per segment, of the recent prefill and decode seconds that _prefill_overhead weighs
 # After this many rounds at k = 0 in a row, auto runs one segment at its best k > 0, to measure the
-# acceptance again (see Engine._explore).
+# acceptance again (see Engine._explore); each such segment after which auto still decodes plainly
+# doubles the wait, up to EXPLORE_ROUNDS_MOST, and auto choosing a k > 0 of itself restores it.
 EXPLORE_ROUNDS = 1024
+EXPLORE_ROUNDS_MOST = 4096
 # The weight, in rounds, of the engine's pooled acceptance as a request's prior (Chooser.expected),
 # and the decay of the pooled counts per row-round drafted: the pooled estimate follows the last
 # thousand or so row-rounds, and a request's own counts outweigh it only after tens of rounds. With
@@ -173,27 +176,35 @@ class Chooser:
         self.pooled_tried = np.zeros(k_max)
         self.pooled_accepted = np.zeros(k_max)
         self.k = None
+        # expected()'s answers by rows, until a count changes (record, reset): rounds at k = 0 change
+        # none, so that a segment of plain rounds reads its rows' answer instead of working it out
+        self._expected: dict[tuple[int, ...], tuple[float, ...]] = {}
 
     def reset(self, slot: int):
         self.tried[slot] = self.accepted[slot] = 0
+        self._expected.clear()
 
     def pooled(self) -> np.ndarray:
         """The engine's conditional acceptance by draft position [k_max] (the fixed prior blended in)."""
         prior = adaptive.PRIOR_ACCEPTANCE * adaptive.PRIOR_ROUNDS
         return (self.pooled_accepted + prior) / (self.pooled_tried + adaptive.PRIOR_ROUNDS)
 
-    def expected(self, rows: Sequence[int]) -> np.ndarray:
+    def expected(self, rows: Sequence[int]) -> tuple[float, ...]:
         """Expected tokens per round at k = 0..k_max, summed over `rows` [k_max + 1]."""
-        prior = self.pooled() * SLOT_PRIOR_ROUNDS
-        rows = list(rows)
-        conditional = (self.accepted[rows] + prior) / (self.tried[rows] + SLOT_PRIOR_ROUNDS)  # [r, k_max]
-        reach = np.cumprod(conditional, axis=1)
-        return (1.0 + np.concatenate([np.zeros((len(rows), 1)), np.cumsum(reach, axis=1)], axis=1)).sum(axis=0)
+        rows = tuple(rows)
+        kept = self._expected.get(rows)
+        if kept is None:
+            prior = self.pooled() * SLOT_PRIOR_ROUNDS
+            conditional = (self.accepted[list(rows)] + prior) / (self.tried[list(rows)] + SLOT_PRIOR_ROUNDS)
+            reach = np.cumprod(conditional, axis=1)  # [r, k_max]
+            tokens = (1.0 + np.concatenate([np.zeros((len(rows), 1)), np.cumsum(reach, axis=1)], axis=1)).sum(axis=0)
+            kept = self._expected[rows] = tuple(tokens.tolist())
+        return kept
 
-    def choose(self, rate: np.ndarray) -> int:
+    def choose(self, rate: Sequence[float]) -> int:
         """The k for a segment whose rows' expected tokens per second at each k are `rate`
         [k_max + 1] (expected(rows) over the seconds per round)."""
-        best = int(np.argmax(rate))
+        best = max(range(len(rate)), key=rate.__getitem__)  # the first of equals, as np.argmax
         if self.k is None or self.k > self.k_max or rate[best] > rate[self.k] * (1 + self.hysteresis):
             self.k = best
         return self.k
@@ -214,6 +225,7 @@ class Chooser:
         pooled = POOLED_DECAY ** rounds
         self.pooled_tried = pooled * self.pooled_tried + tried
         self.pooled_accepted = pooled * self.pooled_accepted + hit
+        self._expected.clear()
 
 
 @dataclasses.dataclass
@@ -368,7 +380,7 @@ class Engine:
         # (mode, bucket, positions attended at each k) -> round_costs' answer, which every segment
         # asks for each bucket: interpolated afresh, it made auto's bookkeeping at k = 0 cost
         # several times a plain engine's, a few percent of the demo's segments at one row
-        # (benchmarks/serving.py at concurrency 1).
+        # (benchmarks/engine_ab.py at concurrency 1).
         self._cost_memo: dict[tuple, np.ndarray] = {}
         self._chooser = Chooser(max(self.k_max, 1), c.slots, c.hysteresis)
         self._prefix = PrefixStore(c.prefix_blocks, chunk, lookahead=0 if v4 else 1) if c.prefix_blocks else None
@@ -399,6 +411,7 @@ class Engine:
         self._seeds = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._segment_k = 0
         self._plain_rounds = 0  # auto's rounds at k = 0 since its last segment at k > 0 (_explore)
+        self._explore_after = EXPLORE_ROUNDS  # the rounds at k = 0 before the next exploring segment
         # Slots whose drafts are stale: their last segment ran at k = 0, or their prefill skipped
         # the MTP pass; a segment at k > 0 refills them first.
         self._stale = np.zeros((c.slots,), bool)
@@ -893,22 +906,28 @@ class Engine:
         slot is free for them: the prefill then bounds the throughput, so that speculation's gain in
         the segments buys nothing while its MTP pass in every prefill chunk costs, and auto decodes
         plainly (benchmarks/serving.py at concurrency 16)."""
-        if not self.concurrent:
-            return False
+        if not self.concurrent or not (self._waiting or self._inbox):  # (read without the lock: a request
+            return False  # that arrives as this reads is seen at the next segment)
         with self._lock:
             return bool(self._waiting or self._inbox) and bool(self._free_slots())
 
-    def _explore(self, rates: np.ndarray) -> int | None:
-        """After EXPLORE_ROUNDS rounds at k = 0 in a row, the k > 0 of the highest predicted rate
+    def _explore(self, rates: Sequence[float]) -> int | None:
+        """After _explore_after rounds at k = 0 in a row, the k > 0 of the highest predicted rate
         (rates [k_max + 1]), for one segment, or None: rounds at k = 0 measure no acceptance, and
         one segment now and then lets auto see that the text has changed and drafting pays. The
         pooled counts used to decay back to the fixed prior instead, which is above the demo's
         acceptance, so that auto went back to drafting every few hundred plain rounds, for whole
-        requests, where plain decoding was faster (benchmarks/serving.py at concurrency 1)."""
-        if self._plain_rounds < EXPLORE_ROUNDS or not rates[1:].max() > 0:
+        requests, where plain decoding was faster (benchmarks/serving.py at concurrency 1). Each
+        exploring segment doubles the wait for the next, up to EXPLORE_ROUNDS_MOST, until auto
+        chooses a k > 0 of itself (_choose_k): at 1,024 rounds, exploring (a refill and a segment
+        at k > 0) took about 1% of auto's decoding time where plain decoding was faster
+        (benchmarks/engine_ab.py at concurrency 1)."""
+        drafting = rates[1:]
+        if self._plain_rounds < self._explore_after or not max(drafting) > 0:
             return None
         self._plain_rounds = 0
-        return 1 + int(np.argmax(rates[1:]))
+        self._explore_after = min(2 * self._explore_after, EXPLORE_ROUNDS_MOST)
+        return 1 + max(range(len(drafting)), key=drafting.__getitem__)
 
     def _drafting(self) -> bool:
         """Whether prefill chunks run the MTP pass now: not while auto decodes plainly (k = 0), where
@@ -1104,11 +1123,12 @@ class Engine:
         if not self.config.sampling:
             mode = "greedy"
         furthest = max(self._running[s].prompt_len + self._running[s].delivered for s in live)
-        bucket = self._bucket(mode, len(live), furthest)
+        reach = self._reach(furthest)
+        bucket = self._bucket(mode, len(live), reach)
         if self._forced is not None:
             k = self._forced
         elif self.auto:
-            k = self._choose_k(live, self.round_costs(mode, bucket, furthest))
+            k = self._choose_k(live, self._costs_at(mode, bucket, reach))
         else:
             k = self.k_max
         # Free slots keep the flag their last request left, which the program ignores: refill only
@@ -1145,18 +1165,25 @@ class Engine:
         k, one k's few unlucky segments made it look a third dearer or cheaper than another, by
         run, and auto drafted where plain decoding was faster (benchmarks/serving.py at
         concurrency 4 on two replicas)."""
-        costs = costs.copy()
         if self._prefill_bound():
-            costs[1:] = np.inf
+            scale = math.inf
         else:
             # Drafting also costs what calibration's rounds do not show (the MTP pass in the
             # prefill chunks, refills), and the chooser's acceptance runs a few percent above what
             # the rows then accept: at two rows on one engine, calibration and acceptance rated
             # k = 1 2% above plain rounds where its segments delivered 5% fewer tokens per second.
-            costs[1:] *= (1 + self._prefill_overhead()) * (1 + self.config.draft_margin)
-        rates = self._chooser.expected(live) / costs
+            scale = (1 + self._prefill_overhead()) * (1 + self.config.draft_margin)
+        # (Python floats: the chooser's few numbers cost less so than as numpy arrays, between
+        # segments of a few milliseconds at one row)
+        tokens, seconds = self._chooser.expected(live), costs.tolist()
+        rates = [tokens[0] / seconds[0]] + [t / (s * scale) for t, s in zip(tokens[1:], seconds[1:])]
         explore = self._explore(rates)
-        return self._chooser.choose(rates) if explore is None else explore
+        if explore is not None:
+            return explore
+        k = self._chooser.choose(rates)
+        if k:
+            self._explore_after = EXPLORE_ROUNDS
+        return k
 
     def _segment_rounds(self) -> int:
         """Rounds for the next segment: segment_rounds, except while a prompt is prefilled. Between
@@ -1173,13 +1200,13 @@ class Engine:
             return int(np.clip(np.ceil(self._chunk_seconds / share), rounds, self.max_rounds))
         return int(np.clip(np.ceil((staged.due - time.perf_counter()) / per_round), 1, rounds))
 
-    def _bucket(self, mode: str, live: int, furthest: int) -> int:
+    def _bucket(self, mode: str, live: int, reach: tuple[int, ...]) -> int:
         """The bucket a segment of `live` rows runs in: of those that hold them, the one whose
         calibrated plain round costs least. A bucket smaller than every slot gathers its rows'
         caches from their slots and scatters them back (programs.take_rows), whole, so that with
         long caches the largest bucket can cost less than a smaller one
-        (benchmarks/engine_latency.py's round costs at 4,096 positions)."""
-        reach = self._reach(furthest)
+        (benchmarks/engine_latency.py's round costs at 4,096 positions). reach: _reach(the furthest
+        position of the live rows)."""
         fits = [b for b in self.buckets if b >= live]
         return min(fits, key=lambda b: self._costs_at(mode, b, reach)[0])
 
