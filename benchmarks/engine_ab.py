@@ -93,8 +93,9 @@ def main() -> None:
         rounds = {name: {str(k): int(v) for k, v in engine.rounds_by_k.items() if v} for name, engine in engines.items()}
         for engine in engines.values():
             engine.shutdown(timeout=10)
-    figures = {"concurrency": args.concurrency, "requests_per_phase": args.requests, "max_tokens": args.max_tokens,
-               "slots": args.slots, "max_len": args.max_len, "reference": names[0],
+    figures = {"concurrency": args.concurrency, "phases": args.phases, "requests_per_phase": args.requests,
+               "max_tokens": args.max_tokens, "prompt_lens": [32, args.max_prompt], "slots": args.slots,
+               "max_len": args.max_len, "reference": names[0],
                "tokens_per_s": {n: statistics.median(v) for n, v in rates.items()},
                "paired": {n: paired(rates, n, names[0], rng) for n in names[1:]}, "rounds_by_k": rounds}
     print("median tokens/s: " + ", ".join(f"{n} {v:.1f}" for n, v in figures["tokens_per_s"].items()))
