@@ -560,6 +560,47 @@ def serving_section() -> str:
             + "\n".join(serving_result(load(name), name) for name in names))
 
 
+def engine_ab_result(result: dict, name: str) -> str:
+    """One run of benchmarks/engine_ab.py: each setting's median tokens/s, its paired ratio to the
+    first setting with the bootstrap interval, and its rounds by k."""
+    f = result["figures"]
+    ref = f["reference"]
+    label = {"0": "0 (plain)"}
+    rows = [[label.get(ref, ref), f"{f['tokens_per_s'][ref]:.0f}", "1 (reference)", "", _rounds(f["rounds_by_k"][ref])]]
+    rows += [[label.get(n, n), f"{f['tokens_per_s'][n]:.0f}", f"{p['median']:.3f}",
+              f"{p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f}", _rounds(f["rounds_by_k"][n])]
+             for n, p in f["paired"].items()]
+    low, high = f["prompt_lens"]
+    prompts = prompts_label(result, f"prompts cut to seeded lengths of {low}..{high} tokens")
+    return (f"### Concurrency {f['concurrency']}: {', '.join(label.get(n, n) for n in [ref, *f['paired']])}\n\n"
+            f"{f['slots']} slots, max_len {f['max_len']}; {f['phases']} phases of {f['requests_per_phase']} requests, "
+            f"{f['max_tokens']} greedy tokens each, {f['concurrency']} at a time; {prompts}.\n\n"
+            + table(["speculative_k", "median tokens/s", f"paired ratio to {ref} (median)", "90% interval",
+                     "rounds by k"], rows) + "\n\n" + source(result, name) + "\n")
+
+
+def _rounds(by_k: dict) -> str:
+    return ", ".join(f"k = {k}: {n:,}" for k, n in sorted(by_k.items(), key=lambda kv: int(kv[0])))
+
+
+def engine_ab_section() -> str:
+    """Every benchmarks/results/engine_ab*.json."""
+    names = sorted(n.removesuffix(".json") for n in os.listdir(RESULTS) if n.startswith("engine_ab")
+                   and n.endswith(".json"))
+    if not names:
+        return ""
+    return ("## Serving engines side by side (`benchmarks/engine_ab.py`)\n\n"
+            "The engine alone (no HTTP), the demo model: an engine per speculation setting in one process, all "
+            "compiled and calibrated before the first phase. In each phase every engine serves the same requests "
+            "in a closed loop, one engine after another, the order rotated by one each phase, so that a busy "
+            "spell of the shared machine falls on every setting alike. Per phase, each setting's output tokens/s "
+            "over the first's; the median of those ratios, and a bootstrap 90% interval of that median. The "
+            "served runs above vary by 10% or more between phases of one setting; pairing the phases narrows "
+            "the comparison to the few percent that decide whether auto keeps up with plain decoding where it "
+            "decodes plainly.\n\n"
+            + "\n".join(engine_ab_result(load(name), name) for name in names))
+
+
 def engine_latency_section() -> str:
     """benchmarks/results/engine_latency.json: the engine's inter-token latency with a long prompt
     arriving, and time to first token with prefix reuse."""
@@ -661,7 +702,8 @@ def page() -> str:
              "from the measuring machine's own standard library, whose text differs between Python versions.\n",
              "## Speculative decoding on the demo model\n",
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
-             auto_section(), decode_step_section(), serving_section(), engine_profile_section(), engine_latency_section(), prefix_attention_section(),
+             auto_section(), decode_step_section(), serving_section(), engine_ab_section(),
+             engine_profile_section(), engine_latency_section(), prefix_attention_section(),
              sparse_section(),
              family_section(), v4_loop_section(),
              real_width_section(),
