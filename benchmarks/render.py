@@ -94,6 +94,11 @@ def source(result: dict, name: str) -> str:
             f"{measured_at(p)} Source: [`benchmarks/results/{name}.json`](../benchmarks/results/{name}.json).*")
 
 
+def result_names(prefix: str) -> list[str]:
+    """The names of benchmarks/results/{prefix}*.json, sorted, without the suffix."""
+    return sorted(n.removesuffix(".json") for n in os.listdir(RESULTS) if n.startswith(prefix) and n.endswith(".json"))
+
+
 def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
@@ -540,8 +545,7 @@ def _auto_line(result: dict) -> str:
 
 def serving_section() -> str:
     """Every benchmarks/results/serving*.json."""
-    names = sorted(n.removesuffix(".json") for n in os.listdir(RESULTS) if n.startswith("serving")
-                   and n.endswith(".json"))
+    names = result_names("serving")
     if not names:
         return ""
     return ("## Serving (`jaxmtp serve` beside `transformers serve`)\n\n"
@@ -585,8 +589,7 @@ def _rounds(by_k: dict) -> str:
 
 def engine_ab_section() -> str:
     """Every benchmarks/results/engine_ab*.json."""
-    names = sorted(n.removesuffix(".json") for n in os.listdir(RESULTS) if n.startswith("engine_ab")
-                   and n.endswith(".json"))
+    names = result_names("engine_ab")
     if not names:
         return ""
     return ("## Serving engines side by side (`benchmarks/engine_ab.py`)\n\n"
