@@ -194,8 +194,8 @@ class Chooser:
         rows = tuple(rows)
         kept = self._expected.get(rows)
         if kept is None:
-            prior = self.pooled() * SLOT_PRIOR_ROUNDS
-            conditional = (self.accepted[list(rows)] + prior) / (self.tried[list(rows)] + SLOT_PRIOR_ROUNDS)
+            prior, at = self.pooled() * SLOT_PRIOR_ROUNDS, list(rows)
+            conditional = (self.accepted[at] + prior) / (self.tried[at] + SLOT_PRIOR_ROUNDS)
             reach = np.cumprod(conditional, axis=1)  # [r, k_max]
             tokens = (1.0 + np.concatenate([np.zeros((len(rows), 1)), np.cumsum(reach, axis=1)], axis=1)).sum(axis=0)
             kept = self._expected[rows] = tuple(tokens.tolist())
@@ -919,9 +919,9 @@ class Engine:
         acceptance, so that auto went back to drafting every few hundred plain rounds, for whole
         requests, where plain decoding was faster (benchmarks/serving.py at concurrency 1). Each
         exploring segment doubles the wait for the next, up to EXPLORE_ROUNDS_MOST, until auto
-        chooses a k > 0 of itself (_choose_k): at 1,024 rounds, exploring (a refill and a segment
-        at k > 0) took about 1% of auto's decoding time where plain decoding was faster
-        (benchmarks/engine_ab.py at concurrency 1)."""
+        chooses a k > 0 of itself (_choose_k), so that where plain decoding stays faster, exploring
+        (a refill and a segment at k > 0) takes a small, shrinking share of auto's rounds
+        (benchmarks/engine_ab.py at concurrency 1 counts them, and auto's throughput beside plain's)."""
         drafting = rates[1:]
         if self._plain_rounds < self._explore_after or not max(drafting) > 0:
             return None
