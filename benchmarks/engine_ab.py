@@ -7,7 +7,9 @@ by 10% or more on a shared CPU, more than the few percent that decide whether au
 plain decoding where it decodes plainly. Here each phase sends --requests held-out prompts (each
 cut to a seeded length of 32..--max-prompt tokens) to one engine, --concurrency at a time, every
 engine the same prompts in the same phase. Printed: each setting's median tokens/s, the median of
-its per-phase ratios to the first setting with a bootstrap 90% interval, and its rounds by k.
+its per-phase ratios to the first setting with a bootstrap 90% interval, its rounds by k, and the
+segments it ran in each batch bucket beside the plain round's cost it calibrated for each (the costs
+that choose the bucket: every engine calibrates its own).
 
     python benchmarks/engine_ab.py [--configs 0,auto] [--concurrency 1] [--phases 30]
         [--requests 12] [--max-tokens 96] [--slots 8] [--json PATH]
@@ -16,6 +18,7 @@ its per-phase ratios to the first setting with a bootstrap 90% interval, and its
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import statistics
 import time
@@ -29,6 +32,18 @@ def phase_rate(engine, prompts: list[list[int]], *, concurrency: int, max_tokens
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         outputs = list(pool.map(lambda p: engine.generate([p], max_tokens=max_tokens)[0], prompts))
     return sum(map(len, outputs)) / (time.perf_counter() - began)
+
+
+def count_buckets(engine) -> collections.Counter:
+    """Counts the segments `engine` runs by their batch bucket (its device's segment calls), from now on."""
+    counts, segment = collections.Counter(), engine._device.segment
+
+    def counted(**fields):
+        counts[fields["bucket"]] += 1
+        return segment(**fields)
+
+    engine._device.segment = counted
+    return counts
 
 
 def paired(rates: dict[str, list[float]], name: str, reference: str, rng: np.random.Generator) -> dict:
@@ -81,6 +96,11 @@ def main() -> None:
     for engine in engines.values():  # untimed: each program's first run
         phase_rate(engine, prompts[:args.concurrency], concurrency=args.concurrency, max_tokens=args.max_tokens)
     rates = {name: [] for name in names}
+    # Each engine's bucket choices and the calibrated costs they follow (a plain round's milliseconds
+    # per bucket, from calibration's first position): engines of different settings calibrate apart.
+    segments = {name: count_buckets(engine) for name, engine in engines.items()}
+    plain_ms = {name: {str(b): round(1e3 * float(c[0, 0]), 3) for b, c in engine.costs["greedy"].items()}
+                for name, engine in engines.items()}
     try:
         for i in range(args.phases):
             start = (i * args.requests) % len(prompts)
@@ -97,11 +117,16 @@ def main() -> None:
                "max_tokens": args.max_tokens, "prompt_lens": [32, args.max_prompt], "slots": args.slots,
                "max_len": args.max_len, "reference": names[0],
                "tokens_per_s": {n: statistics.median(v) for n, v in rates.items()},
-               "paired": {n: paired(rates, n, names[0], rng) for n in names[1:]}, "rounds_by_k": rounds}
+               "paired": {n: paired(rates, n, names[0], rng) for n in names[1:]}, "rounds_by_k": rounds,
+               "segments_by_bucket": {n: {str(b): c[b] for b in sorted(c)} for n, c in segments.items()},
+               "calibrated_plain_round_ms": plain_ms}
     print("median tokens/s: " + ", ".join(f"{n} {v:.1f}" for n, v in figures["tokens_per_s"].items()))
     for n, p in figures["paired"].items():
         print(f"{n} / {names[0]}: median of {args.phases} paired ratios {p['median']:.3f} "
               f"(90% interval {p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f}); rounds by k {rounds[n]}")
+    for n in names:
+        print(f"{n}: segments by bucket {figures['segments_by_bucket'][n]}; calibrated plain round (ms) by bucket "
+              f"{plain_ms[n]}")
     if args.json:
         write(args.json, "engine_ab", figures, {"tokens_per_s": rates}, args.phases,
               prompts_sha256=data.prompts_sha256())

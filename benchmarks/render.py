@@ -566,7 +566,8 @@ def serving_section() -> str:
 
 def engine_ab_result(result: dict, name: str) -> str:
     """One run of benchmarks/engine_ab.py: each setting's median tokens/s, its paired ratio to the
-    first setting with the bootstrap interval, and its rounds by k."""
+    first setting with the bootstrap interval, its rounds by k, and (where recorded) its segments
+    by batch bucket with the plain round's calibrated cost in each."""
     f = result["figures"]
     ref = f["reference"]
     label = {"0": "0 (plain)"}
@@ -574,13 +575,19 @@ def engine_ab_result(result: dict, name: str) -> str:
     rows += [[label.get(n, n), f"{f['tokens_per_s'][n]:.0f}", f"{p['median']:.3f}",
               f"{p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f}", _rounds(f["rounds_by_k"][n])]
              for n, p in f["paired"].items()]
+    header = ["speculative_k", "median tokens/s", f"paired ratio to {ref} (median)", "90% interval", "rounds by k"]
+    buckets = f.get("segments_by_bucket")  # recorded by later runs
+    if buckets:
+        header.append("segments by bucket (calibrated plain round, ms)")
+        for row, n in zip(rows, [ref, *f["paired"]]):
+            row.append(", ".join(f"{b}: {count:,} ({f['calibrated_plain_round_ms'][n][b]:.1f})"
+                                 for b, count in buckets[n].items()))
     low, high = f["prompt_lens"]
     prompts = prompts_label(result, f"prompts cut to seeded lengths of {low}..{high} tokens")
     return (f"### Concurrency {f['concurrency']}: {', '.join(label.get(n, n) for n in [ref, *f['paired']])}\n\n"
             f"{f['slots']} slots, max_len {f['max_len']}; {f['phases']} phases of {f['requests_per_phase']} requests, "
             f"{f['max_tokens']} greedy tokens each, {f['concurrency']} at a time; {prompts}.\n\n"
-            + table(["speculative_k", "median tokens/s", f"paired ratio to {ref} (median)", "90% interval",
-                     "rounds by k"], rows) + "\n\n" + source(result, name) + "\n")
+            + table(header, rows) + "\n\n" + source(result, name) + "\n")
 
 
 def _rounds(by_k: dict) -> str:
