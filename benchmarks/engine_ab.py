@@ -8,8 +8,8 @@ plain decoding where it decodes plainly. Here each phase sends --requests held-o
 cut to a seeded length of 32..--max-prompt tokens) to one engine, --concurrency at a time, every
 engine the same prompts in the same phase. Printed: each setting's median tokens/s, the median of
 its per-phase ratios to the first setting with a bootstrap 90% interval, its rounds by k, and the
-segments it ran in each batch bucket beside the plain round's cost it calibrated for each (the costs
-that choose the bucket: every engine calibrates its own).
+segments it ran in each batch bucket beside the round costs it calibrated for each (the costs that
+choose the bucket: every engine calibrates its own).
 
     python benchmarks/engine_ab.py [--configs 0,auto] [--concurrency 1] [--phases 30]
         [--requests 12] [--max-tokens 96] [--slots 8] [--json PATH]
@@ -96,10 +96,11 @@ def main() -> None:
     for engine in engines.values():  # untimed: each program's first run
         phase_rate(engine, prompts[:args.concurrency], concurrency=args.concurrency, max_tokens=args.max_tokens)
     rates = {name: [] for name in names}
-    # Each engine's bucket choices and the calibrated costs they follow (a plain round's milliseconds
-    # per bucket, from calibration's first position): engines of different settings calibrate apart.
+    # Each engine's bucket choices and the calibrated costs they follow (a round's milliseconds at each
+    # of the engine's k, per bucket, from calibration's first position): every engine calibrates apart.
     segments = {name: count_buckets(engine) for name, engine in engines.items()}
-    plain_ms = {name: {str(b): round(1e3 * float(c[0, 0]), 3) for b, c in engine.costs["greedy"].items()}
+    round_ms = {name: {"ks": list(engine.ks), "by_bucket": {str(b): [round(1e3 * float(x), 3) for x in c[0]]
+                                                            for b, c in engine.costs["greedy"].items()}}
                 for name, engine in engines.items()}
     try:
         for i in range(args.phases):
@@ -119,14 +120,14 @@ def main() -> None:
                "tokens_per_s": {n: statistics.median(v) for n, v in rates.items()},
                "paired": {n: paired(rates, n, names[0], rng) for n in names[1:]}, "rounds_by_k": rounds,
                "segments_by_bucket": {n: {str(b): c[b] for b in sorted(c)} for n, c in segments.items()},
-               "calibrated_plain_round_ms": plain_ms}
+               "calibrated_round_ms": round_ms}
     print("median tokens/s: " + ", ".join(f"{n} {v:.1f}" for n, v in figures["tokens_per_s"].items()))
     for n, p in figures["paired"].items():
         print(f"{n} / {names[0]}: median of {args.phases} paired ratios {p['median']:.3f} "
               f"(90% interval {p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f}); rounds by k {rounds[n]}")
     for n in names:
-        print(f"{n}: segments by bucket {figures['segments_by_bucket'][n]}; calibrated plain round (ms) by bucket "
-              f"{plain_ms[n]}")
+        print(f"{n}: segments by bucket {figures['segments_by_bucket'][n]}; calibrated round (ms at k = "
+              f"{', '.join(map(str, round_ms[n]['ks']))}) by bucket {round_ms[n]['by_bucket']}")
     if args.json:
         write(args.json, "engine_ab", figures, {"tokens_per_s": rates}, args.phases,
               prompts_sha256=data.prompts_sha256())

@@ -578,10 +578,10 @@ def engine_ab_result(result: dict, name: str) -> str:
     header = ["speculative_k", "median tokens/s", f"paired ratio to {ref} (median)", "90% interval", "rounds by k"]
     buckets = f.get("segments_by_bucket")  # recorded by later runs
     if buckets:
-        header.append("segments by bucket (calibrated plain round, ms)")
+        header.append("segments by bucket (calibrated ms per round at the engine's lowest k)")
         for row, n in zip(rows, [ref, *f["paired"]]):
-            row.append(", ".join(f"{b}: {count:,} ({f['calibrated_plain_round_ms'][n][b]:.1f})"
-                                 for b, count in buckets[n].items()))
+            costs = f["calibrated_round_ms"][n]["by_bucket"]
+            row.append(", ".join(f"{b}: {count:,} ({costs[b][0]:.1f})" for b, count in buckets[n].items()))
     low, high = f["prompt_lens"]
     prompts = prompts_label(result, f"prompts cut to seeded lengths of {low}..{high} tokens")
     return (f"### Concurrency {f['concurrency']}: {', '.join(label.get(n, n) for n in [ref, *f['paired']])}\n\n"
