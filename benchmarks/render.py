@@ -607,7 +607,10 @@ def engine_ab_section() -> str:
             "over the first's; the median of those ratios, and a bootstrap 90% interval of that median. The "
             "served runs above vary by 10% or more between phases of one setting; pairing the phases narrows "
             "the comparison to the few percent that decide whether auto keeps up with plain decoding where it "
-            "decodes plainly.\n\n"
+            "decodes plainly. Every engine calibrates its own round costs at start, and each segment runs in the "
+            "bucket that holds its rows at the least calibrated cost, so that engines of one model can run their "
+            "segments in different buckets where two buckets' calibrated costs are close (the last column, where "
+            "recorded).\n\n"
             + "\n".join(engine_ab_result(load(name), name) for name in names))
 
 
