@@ -99,6 +99,13 @@ def result_names(prefix: str) -> list[str]:
     return sorted(n.removesuffix(".json") for n in os.listdir(RESULTS) if n.startswith(prefix) and n.endswith(".json"))
 
 
+def results_section(prefix: str, intro: str, render_one) -> str:
+    """`intro` followed by render_one(result, name) of every benchmarks/results/{prefix}*.json, or
+    nothing where there is none."""
+    names = result_names(prefix)
+    return intro + "\n".join(render_one(load(name), name) for name in names) if names else ""
+
+
 def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
@@ -545,10 +552,7 @@ def _auto_line(result: dict) -> str:
 
 def serving_section() -> str:
     """Every benchmarks/results/serving*.json."""
-    names = result_names("serving")
-    if not names:
-        return ""
-    return ("## Serving (`jaxmtp serve` beside `transformers serve`)\n\n"
+    return results_section("serving", "## Serving (`jaxmtp serve` beside `transformers serve`)\n\n"
             "Streaming clients against OpenAI-compatible servers, each a process of its own on one machine: "
             "`jaxmtp serve` with plain decoding, each fixed k and auto, and HF's `transformers serve "
             "--continuous-batching` on the same checkpoint (`benchmarks/serving.py`). Closed-loop loads keep c "
@@ -560,16 +564,16 @@ def serving_section() -> str:
             "back to the same ids) and its streamed text is encoded again. HF's KV cache holds as many positions "
             "as jaxmtp's (`--cb-num-blocks`; left to itself on a CPU it takes most of the free memory, and its "
             "attention masks grow with it). TTFT: from sending a request to its first token; ITL: per token (a "
-            "chunk of n tokens g after the previous chunk counts n latencies of g / n).\n\n"
-            + "\n".join(serving_result(load(name), name) for name in names))
+            "chunk of n tokens g after the previous chunk counts n latencies of g / n).\n\n", serving_result)
 
 
 def engine_ab_result(result: dict, name: str) -> str:
     """One run of benchmarks/engine_ab.py: each setting's median tokens/s, its paired ratio to the
     first setting with the bootstrap interval, its rounds by k, and (where recorded) its segments
-    by batch bucket with the plain round's calibrated cost in each."""
+    by batch bucket with the calibrated cost of a round at the engine's lowest k in each."""
     f = result["figures"]
     ref = f["reference"]
+    order = [ref, *f["paired"]]
     label = {"0": "0 (plain)"}
     rows = [[label.get(ref, ref), f"{f['tokens_per_s'][ref]:.0f}", "1 (reference)", "", _rounds(f["rounds_by_k"][ref])]]
     rows += [[label.get(n, n), f"{f['tokens_per_s'][n]:.0f}", f"{p['median']:.3f}",
@@ -579,12 +583,12 @@ def engine_ab_result(result: dict, name: str) -> str:
     buckets = f.get("segments_by_bucket")  # recorded by later runs
     if buckets:
         header.append("segments by bucket (calibrated ms per round at the engine's lowest k)")
-        for row, n in zip(rows, [ref, *f["paired"]]):
+        for row, n in zip(rows, order):
             costs = f["calibrated_round_ms"][n]["by_bucket"]
             row.append(", ".join(f"{b}: {count:,} ({costs[b][0]:.1f})" for b, count in buckets[n].items()))
     low, high = f["prompt_lens"]
     prompts = prompts_label(result, f"prompts cut to seeded lengths of {low}..{high} tokens")
-    return (f"### Concurrency {f['concurrency']}: {', '.join(label.get(n, n) for n in [ref, *f['paired']])}\n\n"
+    return (f"### Concurrency {f['concurrency']}: {', '.join(label.get(n, n) for n in order)}\n\n"
             f"{f['slots']} slots, max_len {f['max_len']}; {f['phases']} phases of {f['requests_per_phase']} requests, "
             f"{f['max_tokens']} greedy tokens each, {f['concurrency']} at a time; {prompts}.\n\n"
             + table(header, rows) + "\n\n" + source(result, name) + "\n")
@@ -596,10 +600,7 @@ def _rounds(by_k: dict) -> str:
 
 def engine_ab_section() -> str:
     """Every benchmarks/results/engine_ab*.json."""
-    names = result_names("engine_ab")
-    if not names:
-        return ""
-    return ("## Serving engines side by side (`benchmarks/engine_ab.py`)\n\n"
+    return results_section("engine_ab", "## Serving engines side by side (`benchmarks/engine_ab.py`)\n\n"
             "The engine alone (no HTTP), the demo model: an engine per speculation setting in one process, all "
             "compiled and calibrated before the first phase. In each phase every engine serves the same requests "
             "in a closed loop, one engine after another, the order rotated by one each phase, so that a busy "
@@ -610,8 +611,7 @@ def engine_ab_section() -> str:
             "decodes plainly. Every engine calibrates its own round costs at start, and each segment runs in the "
             "bucket that holds its rows at the least calibrated cost, so that engines of one model can run their "
             "segments in different buckets where two buckets' calibrated costs are close (the last column, where "
-            "recorded).\n\n"
-            + "\n".join(engine_ab_result(load(name), name) for name in names))
+            "recorded).\n\n", engine_ab_result)
 
 
 def engine_latency_section() -> str:
