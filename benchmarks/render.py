@@ -14,6 +14,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -530,8 +531,10 @@ def serving_result(result: dict, name: str) -> str:
 
 
 def _auto_line(result: dict) -> str:
-    """Auto's tokens/s over the best fixed setting's at each load, and the rounds it ran at each k
-    (where the results hold them); '' without auto or with no fixed setting beside it."""
+    """Auto's tokens/s over the best fixed setting's at each load, with the median of their
+    per-repeat ratios (the servers take turns, so repeat i of each ran at about the same time),
+    the rounds auto ran at each k and the segments each ran by batch bucket (where the results
+    hold them); '' without auto or with no fixed setting beside it."""
     rows = result["figures"]["rows"]
     fixed = [r for r in rows if r["config"] == "plain" or r["config"][1:].isdigit()]
     parts = []
@@ -540,14 +543,25 @@ def _auto_line(result: dict) -> str:
         if not peers:
             continue
         best = max(peers, key=lambda r: r["output_tokens_per_s"])
-        rounds = collections.Counter()
-        for phase in result.get("raw", {}).get("phases", []):
-            if phase["config"] == "auto" and phase["load"] == auto["load"] and phase.get("rounds_by_k"):
-                rounds.update({int(k): n for k, n in phase["rounds_by_k"].items()})
+        ratios = [a / b for a, b in zip(auto["output_tokens_per_s_by_repeat"], best["output_tokens_per_s_by_repeat"])]
+        rounds = _phase_counts(result, "auto", auto["load"], "rounds_by_k")
         ran = "; rounds at k = " + ", ".join(f"{k}: {rounds[k]:.0f}" for k in sorted(rounds)) if rounds else ""
+        for config in ("auto", best["config"]):
+            segments = _phase_counts(result, config, auto["load"], "segments_by_bucket")
+            if segments:
+                ran += f"; {config}'s segments by bucket: " + ", ".join(f"{b}: {segments[b]:.0f}" for b in sorted(segments))
         parts.append(f"{auto['load']} {auto['output_tokens_per_s'] / best['output_tokens_per_s']:.2f} of "
-                     f"{best['config']}{ran}")
+                     f"{best['config']} (per-repeat ratios' median {statistics.median(ratios):.2f}){ran}")
     return "Auto against the fastest of plain and fixed k: " + "; ".join(parts) + ".\n\n" if parts else ""
+
+
+def _phase_counts(result: dict, config: str, load: str, key: str) -> collections.Counter:
+    """A server's counts under `key` (rounds_by_k, segments_by_bucket) summed over its phases at `load`."""
+    counts = collections.Counter()
+    for phase in result.get("raw", {}).get("phases", []):
+        if phase["config"] == config and phase["load"] == load and phase.get(key):
+            counts.update({int(label): n for label, n in phase[key].items()})
+    return counts
 
 
 def serving_section() -> str:

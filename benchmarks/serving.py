@@ -445,7 +445,7 @@ def place_hf_tokens(tok, record: Record) -> None:
 def run_phase(server: Server, prompts: list[Prompt], load: Load, settings: Settings, tok) -> dict:
     """One measured phase: the load's requests to one server; its records, wall time and CPU use."""
     cpu_before = cpu_seconds(server)
-    rounds_before = rounds_by_k(server)
+    counts_before = engine_counts(server)
     began = time.perf_counter()
     if load.concurrency:
         records = asyncio.run(closed_loop(server, prompts, load.concurrency, settings.max_tokens))
@@ -460,21 +460,28 @@ def run_phase(server: Server, prompts: list[Prompt], load: Load, settings: Setti
             raise RuntimeError(f"config {server.config}: prompt {record.prompt} streamed {len(record.tokens)} token "
                                f"ids but its usage counts {record.completion_tokens}")
     cpu = None if cpu_before is None else {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
-    rounds = None
-    if rounds_before is not None:
-        after = rounds_by_k(server)
-        rounds = {k: n - rounds_before.get(k, 0) for k, n in after.items() if n - rounds_before.get(k, 0)}
-    return {"config": server.config, "load": load.name, "wall_s": wall, "cpu_s": cpu, "rounds_by_k": rounds,
+    counts = {"rounds_by_k": None, "segments_by_bucket": None}
+    if counts_before is not None:
+        after = engine_counts(server)
+        counts = {name: {label: n - counts_before[name].get(label, 0) for label, n in after[name].items()
+                         if n - counts_before[name].get(label, 0)} for name in after}
+    return {"config": server.config, "load": load.name, "wall_s": wall, "cpu_s": cpu, **counts,
             "records": records}
 
 
-def rounds_by_k(server: Server) -> dict[str, float] | None:
-    """jaxmtp's decode rounds so far by k (its /metrics counter); None for HF's server."""
+def engine_counts(server: Server) -> dict[str, dict[str, float]] | None:
+    """jaxmtp's decode rounds so far by k and its decode segments by batch bucket (its /metrics
+    counters); None for HF's server."""
     if server.is_hf:
         return None
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^jaxmtp_speculative_rounds_total\{k="(\d+)"\} (\S+)$', text, re.MULTILINE)}
+
+    def counter(name: str, label: str) -> dict[str, float]:
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(rf'^{name}\{{{label}="(\d+)"\}} (\S+)$', text, re.MULTILINE)}
+
+    return {"rounds_by_k": counter("jaxmtp_speculative_rounds_total", "k"),
+            "segments_by_bucket": counter("jaxmtp_decode_segments_total", "bucket")}
 
 
 # ----- CPU use (Linux's /proc), to show how busy the shared machine was during a phase -----

@@ -268,6 +268,8 @@ def test_models_health_and_metrics(server):
                  "jaxmtp_time_to_first_token_seconds_count", "jaxmtp_inter_token_latency_seconds_count",
                  "jaxmtp_e2e_request_latency_seconds_count"):
         assert name in m
+    segments = {name: n for name, n in m.items() if name.startswith("jaxmtp_decode_segments_total")}
+    assert set(segments) <= {f'jaxmtp_decode_segments_total{{bucket="{b}"}}' for b in (1, 2)}  # the 2 slots' buckets
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server):

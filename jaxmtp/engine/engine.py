@@ -57,6 +57,10 @@ from jaxmtp.layout import prefix_lengths
 from jaxmtp.model import Model
 
 TIMED_REPEATS = 3  # timed segments per (mode, bucket, position, k) at start
+# A bucket larger than the smallest that holds a segment's rows runs it only where calibrated this
+# much cheaper: near the start of the cache the buckets' costs tie, and two engines' calibrations
+# put bucket 64 12% below bucket 32 and 5% above it (benchmarks/engine_ab.py at concurrency 64).
+BUCKET_MARGIN = 0.1
 IDLE_SECONDS = 5.0  # an idle engine's heartbeat to the other processes
 # While a prompt is being prefilled, a segment runs up to this many times segment_rounds rounds, so
 # that a prefill chunk that takes longer than prefill_share of a segment is spread over more rounds.
@@ -422,6 +426,7 @@ class Engine:
         self.counters = {"prompt_tokens_total": 0, "cached_prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "drafted_total": 0, "accepted_total": 0, "segments_total": 0}
         self.rounds_by_k = collections.Counter()
+        self.segments_by_bucket = collections.Counter()  # decode segments by the batch bucket they ran in
         self.finished = collections.Counter()
         self.failed: str | None = None  # why the engine's thread ended, if an error ended it
 
@@ -537,13 +542,18 @@ class Engine:
         return lengths[min(bisect.bisect_right(lengths, position), len(lengths) - 1)]
 
     def _calibration_positions(self) -> tuple[int, ...]:
-        """Where calibration's rows start: early in the shortest attended prefix and, with auto
-        (the only reader of the costs) where rounds can attend over a longer one, late enough that
-        they attend over the whole cache."""
+        """Where calibration's rows start: early in the shortest attended prefix and, where the costs
+        choose something (auto's k, or the bucket among several) and rounds can attend over a
+        longer prefix, late enough that they attend over the whole cache. Near the start a round's
+        cost hardly grows with its rows, so that early costs alone could put a plain engine's few
+        rows in the slots' bucket, where attention over longer caches cost it 15-20% of its tokens
+        per second against the smallest bucket that held them (benchmarks/engine_ab.py at
+        concurrency 64 on 64 slots: segments_by_bucket beside the tokens per second)."""
         advance = self.config.segment_rounds * (self.k_max + 1)
         early = min(self.max_len // 4, max(self._attended(0) - advance - 1, 0))
         late = self.max_len - advance - 1
-        if not self.auto or late <= early or self._attended(late) == self._attended(early + advance):
+        read = self.auto or len(self.buckets) > 1
+        if not read or late <= early or self._attended(late) == self._attended(early + advance):
             return (early,)
         return (early, late)
 
@@ -724,7 +734,8 @@ class Engine:
             self._thread.join()
 
     def snapshot(self) -> dict:
-        """Counts for metrics: queue, slots, token and draft totals, rounds by k, finished by reason."""
+        """Counts for metrics: queue, slots, token and draft totals, rounds by k, segments by batch bucket,
+        finished by reason."""
         with self._lock:  # each request moves between these states under the lock: counted once
             waiting = len(self._inbox) + len(self._waiting)
             prefilling = int(self._staged is not None and self._staged.handle.id >= 0) + len(self._prefilled)
@@ -732,7 +743,8 @@ class Engine:
             finished = dict(self.finished)
         return {"waiting": waiting, "running": running, "prefilling": prefilling,
                 "slots": self.slots, "max_queue": self.config.max_queue, **self.counters,
-                "rounds_by_k": dict(self.rounds_by_k), "current_k": self._segment_k,
+                "rounds_by_k": dict(self.rounds_by_k), "segments_by_bucket": dict(self.segments_by_bucket),
+                "current_k": self._segment_k,
                 "requests_finished": finished}
 
     # ----- the engine's thread -----
@@ -1149,6 +1161,7 @@ class Engine:
         self._segment_k = k
         self._stale[live] = k == 0  # rounds at k = 0 leave the MTP state behind; at k > 0 it is current
         self.counters["segments_total"] += 1
+        self.segments_by_bucket[bucket] += 1
         ran = max(self._account(slot, k, report) for slot in live)
         self.rounds_by_k[k] += ran
         if self.auto:
@@ -1202,13 +1215,17 @@ class Engine:
 
     def _bucket(self, mode: str, live: int, reach: tuple[int, ...]) -> int:
         """The bucket a segment of `live` rows runs in: of those that hold them, the one whose
-        calibrated plain round costs least. A bucket smaller than every slot gathers its rows'
-        caches from their slots and scatters them back (programs.take_rows), whole, so that with
-        long caches the largest bucket can cost less than a smaller one
-        (benchmarks/engine_latency.py's round costs at 4,096 positions). reach: _reach(the furthest
+        calibrated round at the engine's lowest k costs least where the rows attend, if by more
+        than BUCKET_MARGIN against the smallest, else the smallest. A bucket smaller than every
+        slot gathers its rows' caches from their slots and scatters them back
+        (programs.take_rows), so that the slots' bucket can cost less than a smaller one where the
+        caches attended are short (benchmarks/engine_latency.py's round costs: 16 rows of 16 slots
+        below 8 rows at 256 positions attended, above them at 4,224). reach: _reach(the furthest
         position of the live rows)."""
         fits = [b for b in self.buckets if b >= live]
-        return min(fits, key=lambda b: self._costs_at(mode, b, reach)[0])
+        costs = [self._costs_at(mode, b, reach)[0] for b in fits]
+        cheapest = min(range(len(fits)), key=costs.__getitem__)
+        return fits[cheapest] if costs[cheapest] < (1 - BUCKET_MARGIN) * costs[0] else fits[0]
 
     def _account(self, slot: int, k: int, report: programs.Report) -> int:
         """A live slot's part of a segment's report: its acceptance counted, its new tokens

@@ -24,7 +24,7 @@ from jaxmtp.engine.requests import Event, Handle, QueueFull, Request
 from jaxmtp.errors import InputError
 
 # snapshot() keys summed over the replicas; current_k is the largest replica's, the dicts are summed per key.
-_SUMMED_DICTS = ("rounds_by_k", "requests_finished")
+_SUMMED_DICTS = ("rounds_by_k", "segments_by_bucket", "requests_finished")
 
 
 class Replicas:

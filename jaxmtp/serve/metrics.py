@@ -58,6 +58,11 @@ class EngineCollector:
         for k, n in sorted(s["rounds_by_k"].items()):
             rounds.add_metric([str(k)], n)
         yield rounds
+        segments = CounterMetricFamily(PREFIX + "decode_segments", "decode segments, by the batch bucket they ran in "
+                                       "(the compiled row count that held their live rows)", labels=["bucket"])
+        for bucket, n in sorted(s["segments_by_bucket"].items()):
+            segments.add_metric([str(bucket)], n)
+        yield segments
 
 
 class Metrics:
