@@ -19,6 +19,7 @@ import jaxmtp
 from jaxmtp import data
 from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Replicas, Request
 from jaxmtp.engine.device import Device
+from jaxmtp.engine.engine import BUCKET_MARGIN
 from jaxmtp.errors import InputError
 from jaxmtp.sharding import make_mesh
 from test_speculative_sampling import CONFIG, PROMPT, VOCAB, chi_square_p_value, exact_distribution
@@ -298,6 +299,7 @@ def test_the_last_rows_run_in_a_small_bucket_from_their_slots(engine, demo, toke
     reference = jaxmtp.generate(demo, prompts, max_new_tokens=64).tokens
     calibrated = engine.costs
     engine.costs = {mode: {**costs, 2: costs[8] / 2} for mode, costs in calibrated.items()}
+    engine._cost_memo.clear()  # (the costs interpolated so far, from the calibrated table)
     try:
         with segments_run(engine) as ran:
             collectors = [Collector() for _ in prompts]
@@ -307,9 +309,27 @@ def test_the_last_rows_run_in_a_small_bucket_from_their_slots(engine, demo, toke
                 assert c.done.wait(120)
     finally:
         engine.costs = calibrated
+        engine._cost_memo.clear()
     for i, (c, want, m) in enumerate(zip(collectors, reference, limits)):
         assert c.tokens == want[:m], f"request {i} differs from plain greedy"
     assert gathered(ran, 2), ran
+
+
+def test_a_larger_bucket_takes_the_rows_only_where_calibrated_cheaper_by_the_margin(engine):
+    """Two live rows fit the buckets of 2 and 8: the bucket of 8 runs them only where its
+    calibrated round costs more than BUCKET_MARGIN less than the bucket of 2's; three rows fit
+    the bucket of 8 alone."""
+    calibrated, reach = engine.costs, engine._reach(40)
+    try:
+        for ratio, want in ((1 + BUCKET_MARGIN, 2), (1 - BUCKET_MARGIN / 2, 2), (1 - 2 * BUCKET_MARGIN, 8)):
+            engine.costs = {mode: {2: np.ones_like(c[2]), 8: ratio * np.ones_like(c[8])}
+                            for mode, c in calibrated.items()}
+            engine._cost_memo.clear()
+            assert engine._bucket("greedy", 2, reach) == want, ratio
+            assert engine._bucket("greedy", 3, reach) == 8
+    finally:
+        engine.costs = calibrated
+        engine._cost_memo.clear()
 
 
 def test_prefix_reuse_gives_the_same_tokens(engine, demo, tokenizer):
