@@ -623,9 +623,9 @@ def engine_ab_section() -> str:
             "served runs above vary by 10% or more between phases of one setting; pairing the phases narrows "
             "the comparison to the few percent that decide whether auto keeps up with plain decoding where it "
             "decodes plainly. Every engine calibrates its own round costs at start, and each segment runs in the "
-            "bucket that holds its rows at the least calibrated cost, so that engines of one model can run their "
-            "segments in different buckets where two buckets' calibrated costs are close (the last column, where "
-            "recorded).\n\n", engine_ab_result)
+            "smallest bucket that holds its rows unless a larger one is calibrated more than 10% cheaper, so that "
+            "engines of one model can run their segments in different buckets (the last column, where recorded; "
+            "its costs are calibration's early in the cache).\n\n", engine_ab_result)
 
 
 def engine_latency_section() -> str:

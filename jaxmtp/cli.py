@@ -942,8 +942,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "cancelled")
     sv.add_argument("--buckets", type=_sizes,
                     help="batch sizes compiled, comma-separated, the last = --max-batch (a replica's slots with "
-                         "--replicas); a segment runs the one that holds the live requests at the least calibrated "
-                         "cost; default: the powers of two up to that")
+                         "--replicas); a segment runs the smallest that holds the live requests, or a larger one "
+                         "calibrated more than 10%% cheaper; default: the powers of two up to that")
     sv.add_argument("--prefill-chunk", type=_chunk, default=128,
                     help="prompt positions prefilled per step (a multiple of 16), and the prefix store's block")
     sv.add_argument("--prefill", choices=list(PREFILL_MODES), default="auto",

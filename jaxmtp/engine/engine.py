@@ -7,9 +7,10 @@ one process, on a thread of their own beside the decode segments (a decode step'
 leave a core mostly idle; two staging states let the next prompt be prefilled while the last waits
 for its slot), elsewhere between segments, so that a long prompt delays the running requests by a
 chunk per segment rather than by its whole prefill (EngineConfig.concurrent_prefill). Each segment
-runs a bounded number of rounds on the live rows at one k, in the batch bucket that holds them at
-the least calibrated cost (a bucket smaller than every slot gathers its rows from their slots, so
-that the last rows of a burst do not run at the full batch's cost: benchmarks/engine_profile.py),
+runs a bounded number of rounds on the live rows at one k, in the smallest batch bucket that holds
+them unless a larger one is calibrated cheaper by BUCKET_MARGIN (a bucket smaller than every slot
+gathers its rows from their slots, so that the last rows of a burst do not run at the full batch's
+cost: benchmarks/engine_profile.py),
 and returns early when a row finishes while requests wait for a slot.
 
 k is chosen per segment (`Chooser`): the expected tokens per round of every live row at each k
