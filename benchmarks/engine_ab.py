@@ -34,18 +34,6 @@ def phase_rate(engine, prompts: list[list[int]], *, concurrency: int, max_tokens
     return sum(map(len, outputs)) / (time.perf_counter() - began)
 
 
-def count_buckets(engine) -> collections.Counter:
-    """Counts the segments `engine` runs by their batch bucket (its device's segment calls), from now on."""
-    counts, segment = collections.Counter(), engine._device.segment
-
-    def counted(**fields):
-        counts[fields["bucket"]] += 1
-        return segment(**fields)
-
-    engine._device.segment = counted
-    return counts
-
-
 def paired(rates: dict[str, list[float]], name: str, reference: str, rng: np.random.Generator) -> dict:
     """The median of `name`'s per-phase ratios to `reference`'s, with a bootstrap 90% interval."""
     ratios = np.array(rates[name]) / np.array(rates[reference])
@@ -98,7 +86,7 @@ def main() -> None:
     rates = {name: [] for name in names}
     # Each engine's bucket choices and the calibrated costs they follow (a round's milliseconds at each
     # of the engine's k, per bucket, from calibration's first position): every engine calibrates apart.
-    segments = {name: count_buckets(engine) for name, engine in engines.items()}
+    before = {name: collections.Counter(engine.segments_by_bucket) for name, engine in engines.items()}
     round_ms = {name: {"ks": list(engine.ks), "by_bucket": {str(b): [round(1e3 * float(x), 3) for x in c[0]]
                                                             for b, c in engine.costs["greedy"].items()}}
                 for name, engine in engines.items()}
@@ -112,6 +100,7 @@ def main() -> None:
             print(f"phase {i}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in names) + " tokens/s", flush=True)
     finally:
         rounds = {name: {str(k): int(v) for k, v in engine.rounds_by_k.items() if v} for name, engine in engines.items()}
+        segments = {name: engine.segments_by_bucket - before[name] for name, engine in engines.items()}
         for engine in engines.values():
             engine.shutdown(timeout=10)
     figures = {"concurrency": args.concurrency, "phases": args.phases, "requests_per_phase": args.requests,
