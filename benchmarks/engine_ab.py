@@ -11,8 +11,15 @@ its per-phase ratios to the first setting with a bootstrap 90% interval, its rou
 segments it ran in each batch bucket beside the round costs it calibrated for each (the costs that
 choose the bucket: every engine calibrates its own).
 
+The order in which the engines are created is not neutral: in A/A runs (--control, a second engine
+of the first setting, created last) an engine created later served a few percent fewer tokens per
+second than an identical one created first, which runs the same compiled programs on buffers of
+its own. A difference between settings means something only beside that control's, and in both
+creation orders (--created reversed makes the last setting's engine first).
+
     python benchmarks/engine_ab.py [--configs 0,auto] [--concurrency 1] [--phases 30]
-        [--requests 12] [--max-tokens 96] [--slots 8] [--json PATH]
+        [--requests 12] [--max-tokens 96] [--slots 8] [--control] [--created given|reversed]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--control", action="store_true",
+                        help="also a second engine of the first setting, created last: the harness's own A/A ratio")
+    parser.add_argument("--created", choices=("given", "reversed"), default="given",
+                        help="the order the engines are created in (ratios are to the first setting either way)")
     parser.add_argument("--json", help="write the figures and per-phase rates, with their provenance, here")
     args = parser.parse_args()
     from tokenizers import Tokenizer
@@ -71,13 +82,20 @@ def main() -> None:
     names = [str(c) for c in configs]
     if len(set(names)) != len(names) or len(names) < 2:
         parser.error(f"--configs: expected two or more distinct settings, found {args.configs}")
+    settings = dict(zip(names, configs))
+    created = names[::-1] if args.created == "reversed" else list(names)
+    if args.control:
+        control = f"{names[0]} (control)"
+        settings[control] = configs[0]
+        names.append(control)
+        created.append(control)
     model = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
     tokenizer = Tokenizer.from_file(f"{jaxmtp.DEMO_MODEL}/tokenizer.json")
     engines = {}
-    for name, k in zip(names, configs):
-        print(f"starting the engine at speculative_k={name}", flush=True)
+    for name in created:
+        print(f"starting the engine {name} (speculative_k={settings[name]})", flush=True)
         engines[name] = Engine(model, tokenizer=tokenizer, slots=args.slots, max_len=args.max_len,
-                               speculative_k=k, progress=lambda message: None).start()
+                               speculative_k=settings[name], progress=lambda message: None).start()
     rng = np.random.default_rng(args.seed)
     texts = data.held_out_prompts(tokenizer, 4 * args.requests, args.max_prompt)
     prompts = [list(t[:int(rng.integers(32, args.max_prompt + 1))]) for t in texts]
@@ -105,7 +123,7 @@ def main() -> None:
             engine.shutdown(timeout=10)
     figures = {"concurrency": args.concurrency, "phases": args.phases, "requests_per_phase": args.requests,
                "max_tokens": args.max_tokens, "prompt_lens": [32, args.max_prompt], "slots": args.slots,
-               "max_len": args.max_len, "reference": names[0],
+               "max_len": args.max_len, "reference": names[0], "created": created,
                "tokens_per_s": {n: statistics.median(v) for n, v in rates.items()},
                "paired": {n: paired(rates, n, names[0], rng) for n in names[1:]}, "rounds_by_k": rounds,
                "segments_by_bucket": {n: {str(b): c[b] for b in sorted(c)} for n, c in segments.items()},

@@ -581,6 +581,11 @@ def serving_section() -> str:
             "chunk of n tokens g after the previous chunk counts n latencies of g / n).\n\n", serving_result)
 
 
+def label_of(k: str) -> str:
+    """An engine_ab setting's name for a reader: "0 (plain)" for 0."""
+    return "0 (plain)" if k == "0" else k
+
+
 def engine_ab_result(result: dict, name: str) -> str:
     """One run of benchmarks/engine_ab.py: each setting's median tokens/s, its paired ratio to the
     first setting with the bootstrap interval, its rounds by k, and (where recorded) its segments
@@ -588,7 +593,7 @@ def engine_ab_result(result: dict, name: str) -> str:
     f = result["figures"]
     ref = f["reference"]
     order = [ref, *f["paired"]]
-    label = {"0": "0 (plain)"}
+    label = {"0": label_of("0"), f"{ref} (control)": f"{label_of(ref)} again (control)"}
     rows = [[label.get(ref, ref), f"{f['tokens_per_s'][ref]:.0f}", "1 (reference)", "", _rounds(f["rounds_by_k"][ref])]]
     rows += [[label.get(n, n), f"{f['tokens_per_s'][n]:.0f}", f"{p['median']:.3f}",
               f"{p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f}", _rounds(f["rounds_by_k"][n])]
@@ -602,9 +607,11 @@ def engine_ab_result(result: dict, name: str) -> str:
             row.append(", ".join(f"{b}: {count:,} ({costs[b][0]:.1f})" for b, count in buckets[n].items()))
     low, high = f["prompt_lens"]
     prompts = prompts_label(result, f"prompts cut to seeded lengths of {low}..{high} tokens")
+    created = f.get("created")  # recorded by later runs
+    made = f" Engines created in the order {', '.join(label.get(n, n) for n in created)}." if created else ""
     return (f"### Concurrency {f['concurrency']}: {', '.join(label.get(n, n) for n in order)}\n\n"
             f"{f['slots']} slots, max_len {f['max_len']}; {f['phases']} phases of {f['requests_per_phase']} requests, "
-            f"{f['max_tokens']} greedy tokens each, {f['concurrency']} at a time; {prompts}.\n\n"
+            f"{f['max_tokens']} greedy tokens each, {f['concurrency']} at a time; {prompts}.{made}\n\n"
             + table(header, rows) + "\n\n" + source(result, name) + "\n")
 
 
