@@ -612,7 +612,37 @@ def engine_ab_result(result: dict, name: str) -> str:
     return (f"### Concurrency {f['concurrency']}: {', '.join(label.get(n, n) for n in order)}\n\n"
             f"{f['slots']} slots, max_len {f['max_len']}; {f['phases']} phases of {f['requests_per_phase']} requests, "
             f"{f['max_tokens']} greedy tokens each, {f['concurrency']} at a time; {prompts}.{made}\n\n"
-            + table(header, rows) + "\n\n" + source(result, name) + "\n")
+            + table(header, rows) + "\n\n" + _both_orders(result, name, label) + source(result, name) + "\n")
+
+
+def _both_orders(result: dict, name: str, label: dict) -> str:
+    """For a run NAME_reversed beside a run NAME of the same settings in the other creation order:
+    every setting's paired ratios of both runs pooled (median, bootstrap 90% interval), else ""."""
+    if not name.endswith("_reversed"):
+        return ""
+    other = load(name.removesuffix("_reversed"))
+    f = result["figures"]
+    same = ("concurrency", "slots", "max_len", "requests_per_phase", "max_tokens", "prompt_lens", "reference")
+    if other is None or any(other["figures"].get(key) != f.get(key) for key in same) \
+            or set(other["figures"]["paired"]) != set(f["paired"]):
+        return ""
+    import numpy as np
+
+    from engine_ab import paired  # the benchmark's own statistic
+    rates = {n: other["raw"]["tokens_per_s"][n] + result["raw"]["tokens_per_s"][n] for n in result["raw"]["tokens_per_s"]}
+    ref, rng = f["reference"], np.random.default_rng(0)
+    pooled = []
+    for n in f["paired"]:
+        p = paired(rates, n, ref, rng)
+        pooled.append(f"{label.get(n, n)} {p['median']:.3f} ({p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f})")
+    control = f"{ref} (control)"
+    against = ""
+    if control in rates:
+        ratios = [f"{label.get(n, n)} {p['median']:.3f} ({p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f})"
+                  for n in f["paired"] if n != control for p in [paired(rates, n, control, rng)]]
+        against = f"; ratio to the control: {'; '.join(ratios)}"
+    return (f"Both creation orders pooled (this run and `{name.removesuffix('_reversed')}`, {len(rates[ref])} paired "
+            f"phases), ratio to {label.get(ref, ref)} (median, 90% interval): {'; '.join(pooled)}{against}.\n\n")
 
 
 def _rounds(by_k: dict) -> str:
@@ -629,7 +659,7 @@ def engine_ab_section() -> str:
             "over the first's; the median of those ratios, and a bootstrap 90% interval of that median. The "
             "served runs above vary by 10% or more between phases of one setting; pairing the phases narrows "
             "the comparison to the few percent that decide whether auto keeps up with plain decoding where it "
-            "decodes plainly. Runs with a control (a second engine of the reference setting, created last) show the harness's own bias: engines created later can serve a few percent fewer tokens per second than an identical engine created first, so a setting's ratio is read beside the control's, and in both creation orders where both ran. Every engine calibrates its own round costs at start, and each segment runs in the "
+            "decodes plainly. Runs with a control (a second engine of the reference setting, created last) show what the harness cannot resolve: two identical engines in one process, running the same compiled programs, can differ by a few percent, so a setting's ratio is read beside the control's, and pooled over both creation orders where both ran (`--created reversed`). Every engine calibrates its own round costs at start, and each segment runs in the "
             "smallest bucket that holds its rows unless a larger one is calibrated more than 10% cheaper, so that "
             "engines of one model can run their segments in different buckets (the last column, where recorded; "
             "its costs are calibration's early in the cache).\n\n", engine_ab_result)
