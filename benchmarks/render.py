@@ -519,8 +519,12 @@ def serving_result(result: dict, name: str) -> str:
     peer = f" HF: transformers {hf['transformers']}, torch {hf['torch']}." if hf else ""
     where = "On this project's CPU" if device["platform"] == "cpu" else f"On {device['kind']}"
     loads = ", ".join(r["load"] for r in first)
-    return (f"### {where}: {loads}, {f['max_tokens']} new tokens\n\n{prompts_label(result, prompts)}; {f['max_tokens']} greedy tokens per request; "
-            f"requests per phase: {requests}; {f['repeats']} repeats of each load, the servers taking turns. "
+    per_phase = sorted({r["requests"] // f["repeats"] for r in first})
+    started = ("started together" if f.get("start_together")
+               else "started one after another in the order of the table")
+    return (f"### {where}: {loads}, {f['max_tokens']} new tokens, {'/'.join(map(str, per_phase))} requests per phase: "
+            f"{', '.join(f['configs'])}\n\n{prompts_label(result, prompts)}; {f['max_tokens']} greedy tokens per request; "
+            f"requests per phase: {requests}; {f['repeats']} repeats of each load, the servers ({started}) taking turns. "
             f"Servers: {_servers(f['configs'])}.{peer} Output tokens/s: the median over the repeats; TTFT and ITL: "
             "over all their requests; tokens/chunk: tokens per streamed chunk; other cores: the most cores that "
             "other processes (the idle servers, other work on the machine) kept busy during a phase, to about 0.1 "
@@ -628,7 +632,7 @@ def _both_orders(result: dict, name: str, label: dict) -> str:
         return ""
     import numpy as np
 
-    from engine_ab import paired  # the benchmark's own statistic
+    from benchmarks.engine_ab import paired  # the benchmark's own statistic
     rates = {n: other["raw"]["tokens_per_s"][n] + result["raw"]["tokens_per_s"][n] for n in result["raw"]["tokens_per_s"]}
     ref, rng = f["reference"], np.random.default_rng(0)
     pooled = []
