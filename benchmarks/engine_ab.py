@@ -11,11 +11,12 @@ its per-phase ratios to the first setting with a bootstrap 90% interval, its rou
 segments it ran in each batch bucket beside the round costs it calibrated for each (the costs that
 choose the bucket: every engine calibrates its own).
 
-The order in which the engines are created is not neutral: in A/A runs (--control, a second engine
-of the first setting, created last) an engine created later served a few percent fewer tokens per
-second than an identical one created first, which runs the same compiled programs on buffers of
-its own. A difference between settings means something only beside that control's, and in both
-creation orders (--created reversed makes the last setting's engine first).
+Two identical engines in one process are not alike to the percent: with --control (a second engine
+of the first setting, created last, running the same compiled programs on buffers of its own) the
+control served up to a few percent fewer tokens per second than the first setting's engine, at
+concurrency 1 more than at 16; why is not established. A difference between settings means
+something only beside the control's, and in both creation orders (--created reversed makes the
+last setting's engine first).
 
     python benchmarks/engine_ab.py [--configs 0,auto] [--concurrency 1] [--phases 30]
         [--requests 12] [--max-tokens 96] [--slots 8] [--control] [--created given|reversed]

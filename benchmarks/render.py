@@ -663,7 +663,11 @@ def engine_ab_section() -> str:
             "over the first's; the median of those ratios, and a bootstrap 90% interval of that median. The "
             "served runs above vary by 10% or more between phases of one setting; pairing the phases narrows "
             "the comparison to the few percent that decide whether auto keeps up with plain decoding where it "
-            "decodes plainly. Runs with a control (a second engine of the reference setting, created last) show what the harness cannot resolve: two identical engines in one process, running the same compiled programs, can differ by a few percent, so a setting's ratio is read beside the control's, and pooled over both creation orders where both ran (`--created reversed`). Every engine calibrates its own round costs at start, and each segment runs in the "
+            "decodes plainly. Runs with a control (a second engine of the reference setting, created last) "
+            "show what the harness cannot resolve: two identical engines in one process, running the same "
+            "compiled programs, can differ by a few percent, so a setting's ratio is read beside the control's, "
+            "and pooled over both creation orders where both ran (`--created reversed`). Every engine calibrates "
+            "its own round costs at start, and each segment runs in the "
             "smallest bucket that holds its rows unless a larger one is calibrated more than 10% cheaper, so that "
             "engines of one model can run their segments in different buckets (the last column, where recorded; "
             "its costs are calibration's early in the cache).\n\n", engine_ab_result)
