@@ -100,10 +100,10 @@ def result_names(prefix: str) -> list[str]:
     return sorted(n.removesuffix(".json") for n in os.listdir(RESULTS) if n.startswith(prefix) and n.endswith(".json"))
 
 
-def results_section(prefix: str, intro: str, render_one) -> str:
-    """`intro` followed by render_one(result, name) of every benchmarks/results/{prefix}*.json, or
-    nothing where there is none."""
-    names = result_names(prefix)
+def results_section(prefix: str, intro: str, render_one, key=None) -> str:
+    """`intro` followed by render_one(result, name) of every benchmarks/results/{prefix}*.json (in
+    the order of `key`, else by name), or nothing where there is none."""
+    names = sorted(result_names(prefix), key=key)
     return intro + "\n".join(render_one(load(name), name) for name in names) if names else ""
 
 
@@ -613,7 +613,8 @@ def engine_ab_result(result: dict, name: str) -> str:
     prompts = prompts_label(result, f"prompts cut to seeded lengths of {low}..{high} tokens")
     created = f.get("created")  # recorded by later runs
     made = f" Engines created in the order {', '.join(label.get(n, n) for n in created)}." if created else ""
-    return (f"### Concurrency {f['concurrency']}: {', '.join(label.get(n, n) for n in order)}\n\n"
+    first = f"; {label.get(created[0], created[0])} created first" if created else ""
+    return (f"### Concurrency {f['concurrency']}: {', '.join(label.get(n, n) for n in order)}{first}\n\n"
             f"{f['slots']} slots, max_len {f['max_len']}; {f['phases']} phases of {f['requests_per_phase']} requests, "
             f"{f['max_tokens']} greedy tokens each, {f['concurrency']} at a time; {prompts}.{made}\n\n"
             + table(header, rows) + "\n\n" + _both_orders(result, name, label) + source(result, name) + "\n")
@@ -670,7 +671,8 @@ def engine_ab_section() -> str:
             "its own round costs at start, and each segment runs in the "
             "smallest bucket that holds its rows unless a larger one is calibrated more than 10% cheaper, so that "
             "engines of one model can run their segments in different buckets (the last column, where recorded; "
-            "its costs are calibration's early in the cache).\n\n", engine_ab_result)
+            "its costs are calibration's early in the cache).\n\n", engine_ab_result,
+            key=lambda name: (name.removesuffix("_reversed"), name.endswith("_reversed")))  # a run, then its reverse
 
 
 def engine_latency_section() -> str:
