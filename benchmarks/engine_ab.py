@@ -42,6 +42,11 @@ def phase_rate(engine, prompts: list[list[int]], *, concurrency: int, max_tokens
     return sum(map(len, outputs)) / (time.perf_counter() - began)
 
 
+def control_name(reference: str) -> str:
+    """The name --control gives the second engine of the reference setting (render.py reads it)."""
+    return f"{reference} (control)"
+
+
 def paired(rates: dict[str, list[float]], name: str, reference: str, rng: np.random.Generator) -> dict:
     """The median of `name`'s per-phase ratios to `reference`'s, with a bootstrap 90% interval."""
     ratios = np.array(rates[name]) / np.array(rates[reference])
@@ -86,7 +91,7 @@ def main() -> None:
     settings = dict(zip(names, configs))
     created = names[::-1] if args.created == "reversed" else list(names)
     if args.control:
-        control = f"{names[0]} (control)"
+        control = control_name(names[0])
         settings[control] = configs[0]
         names.append(control)
         created.append(control)

@@ -585,19 +585,22 @@ def serving_section() -> str:
             "chunk of n tokens g after the previous chunk counts n latencies of g / n).\n\n", serving_result)
 
 
-def label_of(k: str) -> str:
-    """An engine_ab setting's name for a reader: "0 (plain)" for 0."""
-    return "0 (plain)" if k == "0" else k
+def _ratio(p: dict) -> str:
+    """A paired ratio (engine_ab's `paired`) as "median (low..high)"."""
+    return f"{p['median']:.3f} ({p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f})"
 
 
 def engine_ab_result(result: dict, name: str) -> str:
     """One run of benchmarks/engine_ab.py: each setting's median tokens/s, its paired ratio to the
     first setting with the bootstrap interval, its rounds by k, and (where recorded) its segments
     by batch bucket with the calibrated cost of a round at the engine's lowest k in each."""
+    from benchmarks.engine_ab import control_name
+
     f = result["figures"]
     ref = f["reference"]
     order = [ref, *f["paired"]]
-    label = {"0": label_of("0"), f"{ref} (control)": f"{label_of(ref)} again (control)"}
+    label = {"0": "0 (plain)"}
+    label[control_name(ref)] = f"{label.get(ref, ref)} again (control)"
     rows = [[label.get(ref, ref), f"{f['tokens_per_s'][ref]:.0f}", "1 (reference)", "", _rounds(f["rounds_by_k"][ref])]]
     rows += [[label.get(n, n), f"{f['tokens_per_s'][n]:.0f}", f"{p['median']:.3f}",
               f"{p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f}", _rounds(f["rounds_by_k"][n])]
@@ -633,18 +636,14 @@ def _both_orders(result: dict, name: str, label: dict) -> str:
         return ""
     import numpy as np
 
-    from benchmarks.engine_ab import paired  # the benchmark's own statistic
+    from benchmarks.engine_ab import control_name, paired  # the benchmark's own names and statistic
     rates = {n: other["raw"]["tokens_per_s"][n] + result["raw"]["tokens_per_s"][n] for n in result["raw"]["tokens_per_s"]}
     ref, rng = f["reference"], np.random.default_rng(0)
-    pooled = []
-    for n in f["paired"]:
-        p = paired(rates, n, ref, rng)
-        pooled.append(f"{label.get(n, n)} {p['median']:.3f} ({p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f})")
-    control = f"{ref} (control)"
+    pooled = [f"{label.get(n, n)} {_ratio(paired(rates, n, ref, rng))}" for n in f["paired"]]
+    control = control_name(ref)
     against = ""
     if control in rates:
-        ratios = [f"{label.get(n, n)} {p['median']:.3f} ({p['interval_90'][0]:.3f}..{p['interval_90'][1]:.3f})"
-                  for n in f["paired"] if n != control for p in [paired(rates, n, control, rng)]]
+        ratios = [f"{label.get(n, n)} {_ratio(paired(rates, n, control, rng))}" for n in f["paired"] if n != control]
         against = f"; ratio to the control: {'; '.join(ratios)}"
     return (f"Both creation orders pooled (this run and `{name.removesuffix('_reversed')}`, {len(rates[ref])} paired "
             f"phases), ratio to {label.get(ref, ref)} (median, 90% interval): {'; '.join(pooled)}{against}.\n\n")
