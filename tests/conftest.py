@@ -54,21 +54,6 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
-# The modules that take the longest (their test time summed over a whole run, longest first), run
-# before all others. pytest-xdist's worksteal gives each worker a contiguous half of the collection
-# and lets an idle worker take the back half of the other's queue, so the last tests to run are
-# short ones and neither worker waits long for the other at the end.
-LONGEST_FIRST = ("test_deepseek_v4.py", "test_engine.py", "test_generate.py", "test_fp8_model.py",
-                 "test_deepseek_v32.py", "test_deepseek_v4_checkpoint.py", "test_serve.py", "test_engine_v4.py",
-                 "test_long_prompts.py", "test_streaming.py", "test_mesh.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Moves the LONGEST_FIRST modules' tests to the front, in that order; each module's own order is kept."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
     """Drops JAX's compiled executables after a test module once the process holds many memory
