@@ -19,8 +19,8 @@ import pytest
 # less (the suite's test time summed over both workers fell by 32%, same tests, same results).
 # LLVM's code generation runs on the whole module at once instead of split into parts for a pool of
 # threads: the suite keeps both cores busy with its two workers, and the split costs CPU time of its
-# own (a demo engine's start at k = 2 took a median 18.3 s of CPU instead of 20.6 s, five alternating
-# runs each). Benchmarks and users keep XLA's defaults.
+# own (a demo engine's start at k = 2, which is mostly compiling, took about a tenth less CPU time in
+# alternating runs). Benchmarks and users keep XLA's defaults.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0 --xla_disable_hlo_passes=hlo-verifier"
                            " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1").strip()
