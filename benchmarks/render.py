@@ -18,10 +18,13 @@ import statistics
 import subprocess
 import sys
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from jaxmtp import data  # noqa: E402  (this checkout's, not an installed copy)
 from jaxmtp.provenance import ENGINE, engine_sha256  # noqa: E402
+from benchmarks.engine_ab import control_name, paired  # noqa: E402  (the benchmark's own names and statistic)
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PAGE = os.path.join(ROOT, "docs", "performance.md")
@@ -594,8 +597,6 @@ def engine_ab_result(result: dict, name: str) -> str:
     """One run of benchmarks/engine_ab.py: each setting's median tokens/s, its paired ratio to the
     first setting with the bootstrap interval, its rounds by k, and (where recorded) its segments
     by batch bucket with the calibrated cost of a round at the engine's lowest k in each."""
-    from benchmarks.engine_ab import control_name
-
     f = result["figures"]
     ref = f["reference"]
     order = [ref, *f["paired"]]
@@ -634,9 +635,6 @@ def _both_orders(result: dict, name: str, label: dict) -> str:
     if other is None or any(other["figures"].get(key) != f.get(key) for key in same) \
             or set(other["figures"]["paired"]) != set(f["paired"]):
         return ""
-    import numpy as np
-
-    from benchmarks.engine_ab import control_name, paired  # the benchmark's own names and statistic
     rates = {n: other["raw"]["tokens_per_s"][n] + result["raw"]["tokens_per_s"][n] for n in result["raw"]["tokens_per_s"]}
     ref, rng = f["reference"], np.random.default_rng(0)
     pooled = [f"{label.get(n, n)} {_ratio(paired(rates, n, ref, rng))}" for n in f["paired"]]
