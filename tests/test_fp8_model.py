@@ -4,7 +4,7 @@ model, against the same checkpoint dequantized to float32.
 The checkpoint's weights are quantized in numpy (per 128x128 block, scale = amax / 448), so both paths multiply the
 very same weights; they differ only by the per-token 1x128 e4m3 quantization of the activations,
 whose rounding (3 mantissa bits) already moves one linear layer's output by about 2.5% (relative
-Frobenius norm) on this model.
+Frobenius norm) on this model. It generates in the layout of a real FP8 checkpoint, its layers scanned.
 """
 
 import os
@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 import hf_reference as ref
 import jaxmtp
-from jaxmtp import data
+from jaxmtp import data, layout
 from jaxmtp.config import QuantizationConfig
 from jaxmtp.quant import QuantizedWeight, is_quantized_param
 
@@ -42,6 +42,16 @@ def _quantized(tree, prefix=()):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """The FP8 demo generates in the checkpoint layout, its layers scanned (jaxmtp.layout.CHECKPOINT), as a
+    real FP8 checkpoint does (over MAX_UNROLLED_BYTES): the path a user's DeepSeek-V3 takes, and one copy of
+    each interpret-mode kernel per program where the unrolled layout compiles one per layer (a small FP8
+    checkpoint's unrolled layers generate in tests/test_ue8m0.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layout, "MAX_UNROLLED_BYTES", 0)
+        yield _models(tmp_path_factory)
+
+
+def _models(tmp_path_factory):
     demo = jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True)
     path = tmp_path_factory.mktemp("fp8_demo")
     config = demo.config.replace(quantization=QuantizationConfig())
@@ -62,6 +72,7 @@ def plain_fp8_tokens(models):
 def test_fp8_logits_and_greedy_decisions_follow_the_dequantized_model(models, plain_fp8_tokens):
     fp8, dense, prompts = models
     assert fp8.params["moe_layers"]["layers"]["mlp"]["experts"]["gate_proj"].matmul == "fp8"
+    assert fp8.decoding().layout == layout.CHECKPOINT  # generated in (plain_fp8_tokens)
     got, want = (np.asarray(m.forward(np.array(prompts))[0]) for m in (fp8, dense))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.03
     # Greedy decisions: along the FP8 model's own 16 x 16 generated tokens, the float32 model
