@@ -154,8 +154,9 @@ def reference_mtp(hf_layer, hf_rotary, weights, streams, next_ids, eps):
 
 
 def test_mtp_block_matches_deepseeks_formulas_on_four_streams():
-    settings = dict(TINY, **CONFIGS_HF["kinds"])
-    settings["num_hidden_layers"] = 4
+    # One main layer of the block's own kind: the block reads the main model's embedding and head only.
+    settings = dict(TINY, **dict(CONFIGS_HF["kinds"], layer_types=[SLIDING], mlp_layer_types=["moe"]),
+                    num_hidden_layers=1)
     model = init_v4(V4Config.from_hf_config(dict(settings, model_type="deepseek_v4")), seed=3)
     c = model.config
     mtp = jax.tree.map(lambda a: torch.tensor(np.asarray(a, np.float32)), model.params["mtp"])
@@ -165,8 +166,7 @@ def test_mtp_block_matches_deepseeks_formulas_on_four_streams():
     params = dict(model.params, mtp=jax.tree.map(lambda t: jnp.asarray(t.numpy()), mtp))
     model = V4Model(c, params)
     # transformers' decoder layer as the block: a sliding, top-k routed layer with the MTP block's weights
-    hf_config = transformers.DeepseekV4Config(**dict(settings, num_hidden_layers=1, layer_types=[SLIDING],
-                                                     mlp_layer_types=["moe"]))
+    hf_config = transformers.DeepseekV4Config(**settings)
     layer = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4DecoderLayer(hf_config, 0).float().eval()
     rotary = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4RotaryEmbedding(hf_config)
     state = {".".join(p.key for p in path): value for path, value in jax.tree_util.tree_leaves_with_path(mtp["block"])}

@@ -16,7 +16,7 @@ import tokenizers
 
 import generation_models as gm
 import jaxmtp
-from jaxmtp import data
+from jaxmtp import data, layout
 from jaxmtp.engine import Engine, Event, NotAdmitting, QueueFull, Replicas, Request
 from jaxmtp.engine.device import Device
 from jaxmtp.engine.engine import BUCKET_MARGIN
@@ -29,7 +29,14 @@ CHUNK = 32
 
 @pytest.fixture(scope="module")
 def demo():
-    return jaxmtp.load(jaxmtp.DEMO_MODEL)
+    """The demo model, decoding in the checkpoint layout, its layers scanned (jaxmtp.layout.CHECKPOINT),
+    as a real DeepSeek checkpoint does (over MAX_UNROLLED_BYTES); the demo's unrolled layers serve in
+    tests/test_serve.py."""
+    model = jaxmtp.load(jaxmtp.DEMO_MODEL)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layout, "MAX_UNROLLED_BYTES", 0)
+        assert model.decoding().layout == layout.CHECKPOINT  # chosen once and kept by the model
+    return model
 
 
 @pytest.fixture(scope="module")

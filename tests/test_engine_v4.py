@@ -147,8 +147,9 @@ def test_v4_engine_refuses_a_chunk_that_splits_compressed_entries():
 
 
 def test_jaxmtp_serve_answers_an_openai_client_on_a_v4_checkpoint(tmp_path, model):
-    """`jaxmtp serve` of a V4 checkpoint (k chosen by auto, as in the engine tests): a completion
-    and a streamed one of token-id prompts equal plain greedy decoding alone."""
+    """`jaxmtp serve` of a V4 checkpoint (k chosen by auto, as in the engine tests; greedy programs
+    only, as its requests are): a completion and a streamed one of token-id prompts equal plain
+    greedy decoding alone."""
     from jaxmtp.models.deepseek_v4.checkpoint import save_v4
     from test_serve import Server
 
@@ -158,7 +159,8 @@ def test_jaxmtp_serve_answers_an_openai_client_on_a_v4_checkpoint(tmp_path, mode
     s = SETTINGS
     server = Server(tmp_path / "server.log", "--max-batch", str(s["slots"]), "--buckets", str(s["slots"]),
                     "--max-len", str(s["max_len"]), "--prefill-chunk", str(s["prefill_chunk"]), "--prefix-blocks",
-                    str(s["prefix_blocks"]), "--speculative-k", str(s["speculative_k"]), model=str(tmp_path / "v4"))
+                    str(s["prefix_blocks"]), "--speculative-k", str(s["speculative_k"]), "--greedy-only",
+                    model=str(tmp_path / "v4"))
     try:
         client = server.ready().client()
         done = client.completions.create(model="v4", prompt=prompts[0], max_tokens=10, temperature=0,

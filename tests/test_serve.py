@@ -377,11 +377,12 @@ def test_load_every_valid_request_completes_and_the_server_ends_idle(server, ref
 
 
 def test_full_queue_no_template_and_sigterm(tmp_path):
-    """A server with one queue place: a request beyond it is refused with 429 and Retry-After; a
-    chat request is refused for want of a template; SIGTERM with requests in flight answers 503
-    to new ones, ends the running ones (finished or cancelled, never hanging) and exits with 0."""
+    """A server with one queue place (greedy programs only: its requests are greedy, and it starts
+    sooner): a request beyond it is refused with 429 and Retry-After; a chat request is refused for
+    want of a template; SIGTERM with requests in flight answers 503 to new ones, ends the running
+    ones (finished or cancelled, never hanging) and exits with 0."""
     s = Server(tmp_path / "server.log", "--max-batch", "2", "--buckets", "2", "--max-len", "512", "--max-queue", "1",
-               "--shutdown-timeout", "1", "--speculative-k", "1").ready()
+               "--shutdown-timeout", "1", "--speculative-k", "1", "--greedy-only").ready()
     try:
         client = s.client()
         with pytest.raises(openai.BadRequestError, match="--chat-template"):
