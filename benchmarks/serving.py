@@ -3,7 +3,9 @@
 
 Configurations (`--configs`): `plain`, `k1`, `k2`, `k3` and `auto` are `jaxmtp serve` with
 `--speculative-k 0`, 1, 2, 3 and auto, `--max-batch` the largest concurrency, `--max-len` the
-longest prompt plus `--max-tokens` (and 16) and `--replicas` as given (default 1); `hf` is
+longest prompt plus `--max-tokens` (and 16) and `--replicas` as given (default 1); `control` (not
+in the default) is a second server exactly as `plain`, whose ratio to `plain` shows how far apart two
+identical servers measure on the machine; `hf` is
 `transformers serve --continuous-batching` (float32, CPU; it needs the `accelerate` package) on a
 temporary copy of the demo checkpoint with a tokenizer_config.json beside its tokenizer.json (HF
 drops the MTP layer, which it does not run), its KV cache sized to as many positions as jaxmtp's
@@ -73,8 +75,11 @@ from jaxmtp import data  # noqa: E402
 from jaxmtp.provenance import write  # noqa: E402
 
 HOST = "127.0.0.1"
-JAXMTP_K = {"plain": "0", "k1": "1", "k2": "2", "k3": "3", "auto": "auto"}
-CONFIGS = (*JAXMTP_K, "hf")
+# control: a second server exactly as plain, whose ratio to plain shows how far apart two identical
+# servers measure on this machine (the harness's own A/A ratio), to read auto's ratio beside.
+JAXMTP_K = {"plain": "0", "k1": "1", "k2": "2", "k3": "3", "auto": "auto", "control": "0"}
+NAMES = (*JAXMTP_K, "hf")
+CONFIGS = tuple(n for n in NAMES if n != "control")  # the default --configs
 HF_NO_EOS = json.dumps({"eos_token_id": -1})  # HF's continuous batching reads a negative id as no EOS
 START_TIMEOUT_S = 900.0
 
@@ -749,15 +754,16 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _configs(text: str) -> tuple[str, ...]:
     names = tuple(text.split(","))
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in NAMES]
     if unknown or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct names from {','.join(CONFIGS)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct names from {','.join(NAMES)}")
     return names
 
 
 def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", type=_configs, default=CONFIGS, help=f"comma-separated from {','.join(CONFIGS)}")
+    parser.add_argument("--configs", type=_configs, default=CONFIGS,
+                        help=f"comma-separated from {','.join(NAMES)} (default: all but control)")
     parser.add_argument("--concurrency", type=_ints, default=(1, 4, 16, 64), help="closed-loop loads")
     parser.add_argument("--rate", type=float, help="also a Poisson load of this many requests per second")
     parser.add_argument("--requests", type=int, default=0,
