@@ -14,7 +14,6 @@ import argparse
 import collections
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -534,14 +533,25 @@ def serving_result(result: dict, name: str) -> str:
             "(the kernel counts a process's time and the machine's apart).\n\n"
             + table(["config", "load", "output tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)",
                      "ITL p99 (ms)", "tokens/chunk", "other cores"], rows)
-            + "\n\n" + _auto_line(result) + _greedy_line(f) + "\n\n" + source(result, name) + "\n")
+            + "\n\n" + _auto_line(result) + _pairs_line(result) + _greedy_line(f) + "\n\n"
+            + source(result, name) + "\n")
+
+
+def _by_repeat(rows: list[dict], name: str, reference: str, load: str) -> str:
+    """`name`'s tokens/s over `reference`'s at `load`, as the median of their per-repeat ratios (the
+    servers take turns, so repeat i of each ran at about the same time) with a bootstrap 90%
+    interval (engine_ab's `paired`); '' where either is missing."""
+    rates = {r["config"]: r["output_tokens_per_s_by_repeat"] for r in rows if r["load"] == load}
+    if name not in rates or reference not in rates:
+        return ""
+    return f"{_ratio(paired(rates, name, reference, np.random.default_rng(0)))} of {reference}"
 
 
 def _auto_line(result: dict) -> str:
-    """Auto's tokens/s over the best fixed setting's at each load, with the median of their
-    per-repeat ratios (the servers take turns, so repeat i of each ran at about the same time),
-    the rounds auto ran at each k and the segments each ran by batch bucket (where the results
-    hold them); '' without auto or with no fixed setting beside it."""
+    """Auto's tokens/s over the best fixed setting's at each load (by medians, and as the median of
+    per-repeat ratios with its interval), and over plain's where plain was not the best, the rounds
+    auto ran at each k and the segments each ran by batch bucket (where the results hold them); ''
+    without auto or with no fixed setting beside it."""
     rows = result["figures"]["rows"]
     fixed = [r for r in rows if r["config"] == "plain" or r["config"][1:].isdigit()]
     parts = []
@@ -550,16 +560,32 @@ def _auto_line(result: dict) -> str:
         if not peers:
             continue
         best = max(peers, key=lambda r: r["output_tokens_per_s"])
-        ratios = [a / b for a, b in zip(auto["output_tokens_per_s_by_repeat"], best["output_tokens_per_s_by_repeat"])]
-        rounds = _phase_counts(result, "auto", auto["load"], "rounds_by_k")
+        load = auto["load"]
+        plain = "" if best["config"] == "plain" else _by_repeat(rows, "auto", "plain", load)
+        ratios = _by_repeat(rows, "auto", best["config"], load) + (f", {plain}" if plain else "")
+        rounds = _phase_counts(result, "auto", load, "rounds_by_k")
         ran = "; rounds at k = " + ", ".join(f"{k}: {rounds[k]:.0f}" for k in sorted(rounds)) if rounds else ""
         for config in ("auto", best["config"]):
-            segments = _phase_counts(result, config, auto["load"], "segments_by_bucket")
+            segments = _phase_counts(result, config, load, "segments_by_bucket")
             if segments:
                 ran += f"; {config}'s segments by bucket: " + ", ".join(f"{b}: {segments[b]:.0f}" for b in sorted(segments))
-        parts.append(f"{auto['load']} {auto['output_tokens_per_s'] / best['output_tokens_per_s']:.2f} of "
-                     f"{best['config']} (per-repeat ratios' median {statistics.median(ratios):.2f}){ran}")
+        parts.append(f"{load} {auto['output_tokens_per_s'] / best['output_tokens_per_s']:.2f} of "
+                     f"{best['config']} by medians (per-repeat ratios, median and 90% interval: {ratios}){ran}")
     return "Auto against the fastest of plain and fixed k: " + "; ".join(parts) + ".\n\n" if parts else ""
+
+
+def _pairs_line(result: dict) -> str:
+    """At each load, the control's tokens/s over plain's (two identical servers: how far apart the
+    harness measures the same thing) and jaxmtp's plain and auto over HF's, as per-repeat ratios
+    (`_by_repeat`); '' where the run has neither a control nor HF."""
+    rows = result["figures"]["rows"]
+    parts = []
+    for load in dict.fromkeys(r["load"] for r in rows):
+        ratios = [f"{name} {text}" for name, reference in (("control", "plain"), ("plain", "hf"), ("auto", "hf"))
+                  if (text := _by_repeat(rows, name, reference, load))]
+        if ratios:
+            parts.append(f"{load}: {'; '.join(ratios)}")
+    return ("Per-repeat ratios (median, bootstrap 90% interval): " + "; ".join(parts) + ".\n\n") if parts else ""
 
 
 def _phase_counts(result: dict, config: str, load: str, key: str) -> collections.Counter:
