@@ -169,6 +169,10 @@ def test_cli_chat_template_generation_config_and_stop(tmp_path, capsys):
 _CACHED_RUN = """
 import json, logging, sys
 import jaxmtp
+from jaxmtp import compile_cache
+# Every program stored, however fast it compiles: under the suite's flags this model's jit_start
+# compiles in about 0.2 s, at the threshold, so that a fast machine did not store it.
+compile_cache.MIN_COMPILE_SECONDS = 0.0
 logging.basicConfig(level=logging.WARNING)
 logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
 config = jaxmtp.ModelConfig.from_hf_config(sys.argv[1]).replace(num_hidden_layers=2, num_nextn_predict_layers=0)
