@@ -476,6 +476,8 @@ def _greedy_line(figures: dict) -> str:
     """How every configuration's greedy outputs compare with the reference's, and the prompts whose
     ids differ."""
     greedy = figures["greedy"]
+    if greedy["reference"] is None:
+        return "Sampled requests: each setting draws its own tokens, so no outputs are compared."
     counts = "; ".join(f"{config}: {n['same_tokens']}/{n['compared']} the same token ids"
                        + (f", {n['same_text']}/{n['compared']} the same text" if config == "hf" else "")
                        for config, n in greedy["matched"].items() if config != greedy["reference"])
@@ -524,8 +526,9 @@ def serving_result(result: dict, name: str) -> str:
     per_phase = sorted({r["requests"] // f["repeats"] for r in first})
     started = ("started together" if f.get("start_together")
                else "started one after another in the order of the table")
-    return (f"### {where}: {loads}, {f['max_tokens']} new tokens, {'/'.join(map(str, per_phase))} requests per phase: "
-            f"{', '.join(f['configs'])}\n\n{prompts_label(result, prompts)}; {f['max_tokens']} greedy tokens per request; "
+    return (f"### {where}: {loads}, {f['max_tokens']} new {'sampled' if f.get('temperature') else 'greedy'} tokens, "
+            f"{'/'.join(map(str, per_phase))} requests per phase: "
+            f"{', '.join(f['configs'])}\n\n{prompts_label(result, prompts)}; {f['max_tokens']} {_tokens_asked(f)} per request; "
             f"requests per phase: {requests}; {f['repeats']} repeats of each load, the servers ({started}) taking turns. "
             f"Servers: {_servers(f['configs'])}.{peer} Output tokens/s: the median over the repeats; TTFT and ITL: "
             "over all their requests; tokens/chunk: tokens per streamed chunk; other cores: the most cores that "
@@ -535,6 +538,14 @@ def serving_result(result: dict, name: str) -> str:
                      "ITL p99 (ms)", "tokens/chunk", "other cores"], rows)
             + "\n\n" + _auto_line(result) + _pairs_line(result) + _greedy_line(f) + "\n\n"
             + source(result, name) + "\n")
+
+
+def _tokens_asked(figures: dict) -> str:
+    """'greedy tokens', or how the requests sampled (results before sampling was an option are greedy)."""
+    if not figures.get("temperature"):
+        return "greedy tokens"
+    return (f"tokens sampled at temperature {figures['temperature']:g}, top-p {figures['top_p']:g} "
+            "(each request seeded by its prompt)")
 
 
 def _by_repeat(rows: list[dict], name: str, reference: str, load: str) -> str:
@@ -787,6 +798,42 @@ def prefix_attention_section() -> str:
             + table(["pass"] + schemes, rows) + "\n\n" + source(result, "prefix_attention") + "\n")
 
 
+def sampling_section() -> str:
+    """benchmarks/results/sampling_cpu.json: the sampling filters by bisection against a sort, in the
+    transform alone and in the serving engine's calibrated round costs."""
+    result = load("sampling_cpu")
+    if result is None:
+        return ""
+    f = result["figures"]
+    st, alone, engine = f["settings"], f["transform_medians_seconds"], f["engine_medians"]
+    rows = [[shape.replace("x", " x "), f"{1e3 * t['bisection']:.3f}", f"{1e3 * t['sort']:.3f}",
+             f"{t['sort'] / t['bisection']:.1f}x", f"{f['transform_max_difference'][shape]:g}"]
+            for shape, t in alone.items()]
+    text = ("## Sampling filters (`benchmarks/sampling.py`)\n\n"
+            "Top-k and top-p as `jaxmtp.sampling` finds their thresholds, by bisection, against a sort of the "
+            "vocabulary per row (`sort`, the definition as `tests/test_sampling.py` writes it). The transform alone (temperature, top-k, top-p with per-row "
+            "settings) at each logits shape, rows first and the vocabulary last, in ms per call (medians of "
+            f"{st['calls']} alternating calls), and the largest difference of the two outputs:\n\n"
+            + table(["logits", "bisection (ms)", "sort (ms)", "sort / bisection", "largest difference"], rows))
+    if engine:
+        first_table = next(iter(engine["bisection"]["costs"]["greedy"].values()))
+        ks = "k = " + ", ".join(str(k) for k in range(len(first_table[0])))
+        rows = []
+        for mode in ("greedy", "mixed"):
+            for bucket in engine["bisection"]["costs"][mode]:
+                row = [mode if mode == "greedy" else "sampling", bucket]
+                for scheme in ("bisection", "sort"):
+                    row.append(" / ".join(f"{1e3 * c:.2f}" for c in engine[scheme]["costs"][mode][bucket][0]))
+                rows.append(row)
+        text += ("\n\nThe serving engine on the demo model (an auto engine of "
+                 f"{st['slots']} slots, max_len {st['max_len']}, a process per scheme, the processes alternating): "
+                 f"the round costs calibration measured, in ms per round at {ks} from its first position, medians "
+                 "over the processes. Sampling rounds run with both filters on, as calibration sets them; greedy "
+                 "rounds run no filter, so their two columns differ by the machine's noise alone.\n\n"
+                 + table(["rounds", "batch", "bisection", "sort"], rows))
+    return text + "\n\n" + source(result, "sampling_cpu") + "\n"
+
+
 def page() -> str:
     parts = ["# Performance\n\nEvery figure here is rendered by `python benchmarks/render.py` from the results JSON in "
              "`benchmarks/results/`, which holds each run's provenance (commit, versions, device, flags, command, "
@@ -800,7 +847,7 @@ def page() -> str:
              "## Speculative decoding on the demo model\n",
              bench_section("bench_cpu", "On this project's CPU"), bench_section("h200_bench", "On an H200"),
              auto_section(), decode_step_section(), serving_section(), engine_ab_section(),
-             engine_profile_section(), engine_latency_section(), prefix_attention_section(),
+             engine_profile_section(), engine_latency_section(), prefix_attention_section(), sampling_section(),
              sparse_section(),
              family_section(), v4_loop_section(),
              real_width_section(),

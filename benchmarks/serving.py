@@ -21,8 +21,10 @@ results show how busy other processes kept the machine meanwhile.
 Requests: prompts cut from the shipped held-out excerpts (`jaxmtp.data.benchmark_texts`, encoded as
 `jaxmtp.data.held_out_prompts` encodes them) at seeded random lengths in `--prompt-lens` and
 distinct start offsets, a new set for each phase (the same set for every configuration), so that no
-server sees a prompt twice and no prefix cache helps. Each asks for `--max-tokens` greedy tokens,
-streamed, with the end of text ignored, so that every request generates as many: jaxmtp gets the
+server sees a prompt twice and no prefix cache helps. Each asks for `--max-tokens` greedy tokens
+(with `--temperature` above 0: sampled at it and `--top-p`, seeded by the prompt's index; jaxmtp's
+servers only, and no outputs compared), streamed, with the end of text ignored, so that every
+request generates as many: jaxmtp gets the
 prompt as token ids with `ignore_eos` and streams the ids (`choices[0].token_ids`); HF's
 `/v1/completions` takes text only and streams text, so it gets the prompt's text (only prompts whose
 text encodes back to the same ids are used, and the prompt length HF reports is checked), with
@@ -44,6 +46,7 @@ holds each prompt's [start, length] in the excerpts' tokens (warm-up prompts fir
 
     python benchmarks/serving.py [--concurrency 1,4,16,64] [--rate 1] [--requests N] [--max-tokens 64]
         [--configs plain,k1,k2,k3,auto,hf] [--repeats 2] [--json benchmarks/results/serving_cpu.json]
+        [--temperature 0] [--top-p 1]
     python benchmarks/serving.py --quick   # tiny settings (tests/test_serving_benchmark.py)
 """
 
@@ -105,6 +108,12 @@ class Settings:
     seed: int
     start_together: bool = False
     replicas: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def ask(self) -> "Ask":
+        return Ask(self.max_tokens, self.temperature, self.top_p)
 
     def requests_at(self, load: Load) -> int:
         if self.requests:
@@ -112,6 +121,17 @@ class Settings:
         # 48 at least: a phase of 16 requests at concurrency 1 or 4 lasted 1-2 s on the demo, and
         # the same configuration's phases then differed by up to a third on a shared machine.
         return 16 if load.rate else max(48, 2 * load.concurrency)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """What each request asks for: max_tokens new tokens, greedy (temperature 0) or sampled at
+    temperature with top_p, seeded by its prompt's index so that a server draws the same tokens
+    for it at every run."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,9 +365,11 @@ def stop(server: Server) -> None:
 
 # ----- the client -----
 
-def request_body(server: Server, prompt: Prompt, max_tokens: int) -> dict:
-    body = {"model": server.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+def request_body(server: Server, prompt: Prompt, ask: Ask) -> dict:
+    body = {"model": server.model, "max_tokens": ask.max_tokens, "temperature": ask.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if ask.temperature > 0:
+        body.update(top_p=ask.top_p, seed=prompt.index)
     if server.is_hf:
         return {**body, "prompt": prompt.text, "generation_config": HF_NO_EOS}
     return {**body, "prompt": list(prompt.ids), "ignore_eos": True}
@@ -375,13 +397,13 @@ def take_event(server: Server, record: Record, event: dict, at: float) -> None:
             record.chunk_text.append(text)
 
 
-async def one_request(client: httpx.AsyncClient, server: Server, prompt: Prompt, max_tokens: int,
+async def one_request(client: httpx.AsyncClient, server: Server, prompt: Prompt, ask: Ask,
                       phase_start: float) -> Record:
     """Sends one streaming completion and records its chunks as they arrive."""
     sent = time.perf_counter()
     record = Record(prompt.index, len(prompt.ids), sent - phase_start)
     async with client.stream("POST", server.url + "/v1/completions",
-                             json=request_body(server, prompt, max_tokens)) as response:
+                             json=request_body(server, prompt, ask)) as response:
         if response.status_code != 200:
             raise RuntimeError(f"config {server.config}: HTTP {response.status_code}: {(await response.aread())[:500]}")
         async for line in response.aiter_lines():
@@ -398,7 +420,7 @@ async def one_request(client: httpx.AsyncClient, server: Server, prompt: Prompt,
     return record
 
 
-async def closed_loop(server: Server, prompts: list[Prompt], concurrency: int, max_tokens: int) -> list[Record]:
+async def closed_loop(server: Server, prompts: list[Prompt], concurrency: int, ask: Ask) -> list[Record]:
     """`concurrency` clients, each sending its next prompt as soon as its last one is done."""
     queue = list(reversed(prompts))
     records = []
@@ -408,13 +430,13 @@ async def closed_loop(server: Server, prompts: list[Prompt], concurrency: int, m
 
         async def worker():
             while queue:
-                records.append(await one_request(client, server, queue.pop(), max_tokens, start))
+                records.append(await one_request(client, server, queue.pop(), ask, start))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return sorted(records, key=lambda r: r.prompt)
 
 
-async def poisson(server: Server, prompts: list[Prompt], rate: float, max_tokens: int, seed: int) -> list[Record]:
+async def poisson(server: Server, prompts: list[Prompt], rate: float, ask: Ask, seed: int) -> list[Record]:
     """Requests sent at Poisson arrival times of `rate` per second (seeded), however many are in flight."""
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, len(prompts)))
     arrivals -= arrivals[0]
@@ -423,7 +445,7 @@ async def poisson(server: Server, prompts: list[Prompt], rate: float, max_tokens
 
         async def at(delay, prompt):
             await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
-            return await one_request(client, server, prompt, max_tokens, start)
+            return await one_request(client, server, prompt, ask, start)
 
         return list(await asyncio.gather(*(at(d, p) for d, p in zip(arrivals, prompts))))
 
@@ -453,9 +475,9 @@ def run_phase(server: Server, prompts: list[Prompt], load: Load, settings: Setti
     counts_before = engine_counts(server)
     began = time.perf_counter()
     if load.concurrency:
-        records = asyncio.run(closed_loop(server, prompts, load.concurrency, settings.max_tokens))
+        records = asyncio.run(closed_loop(server, prompts, load.concurrency, settings.ask))
     else:
-        records = asyncio.run(poisson(server, prompts, load.rate, settings.max_tokens, settings.seed))
+        records = asyncio.run(poisson(server, prompts, load.rate, settings.ask, settings.seed))
     wall = time.perf_counter() - began
     cpu_after = cpu_seconds(server)
     for record in records:
@@ -629,7 +651,7 @@ def warm_up(servers: list[Server], prompts: list[Prompt], settings: Settings) ->
     """`settings.warmup` requests to each server, all at once, not timed."""
     for i, server in enumerate(servers):
         mine = prompts[i * settings.warmup:(i + 1) * settings.warmup]
-        asyncio.run(closed_loop(server, mine, len(mine), settings.max_tokens))
+        asyncio.run(closed_loop(server, mine, len(mine), settings.ask))
 
 
 def measure(servers: list[Server], sets: dict, settings: Settings, tok) -> list[dict]:
@@ -676,7 +698,8 @@ def figures_of(settings: Settings, servers: list[Server], phases: list[dict], gr
     return {"model": "demo_model", "prompts_sha256": data.prompts_sha256(),
             "prompts": f"prompts of {settings.prompt_lens[0]}..{settings.prompt_lens[1]} tokens (seeded lengths, "
                        "distinct offsets) cut from the held-out excerpts",
-            "max_tokens": settings.max_tokens, "repeats": settings.repeats, "warmup": settings.warmup,
+            "max_tokens": settings.max_tokens, "temperature": settings.temperature, "top_p": settings.top_p,
+            "repeats": settings.repeats, "warmup": settings.warmup,
             "seed": settings.seed, "max_batch": settings.max_batch, "max_len": settings.max_len,
             "replicas": settings.replicas, "start_together": settings.start_together,
             "configs": configs, "rows": rows, "greedy": greedy,
@@ -704,6 +727,18 @@ def raw_phase(phase: dict) -> dict:
             "cached_prompt_tokens": None if None in cached else sum(cached), "requests": requests}
 
 
+def greedy_outputs(settings: Settings, phases: list[dict], measured: list[Prompt], tok) -> dict:
+    """Every configuration's outputs against plain's (or jaxmtp.generate's), where they are greedy;
+    sampled, each setting draws its own tokens and nothing is compared (reference None)."""
+    if settings.temperature > 0:
+        return {"reference": None, "matched": {}, "mismatches": []}
+    if "plain" in settings.configs:
+        reference = {r.prompt: r.tokens for p in phases if p["config"] == "plain" for r in p["records"]}
+        return {"reference": "plain", **compare(phases, reference, tok)}
+    reference = generate_reference(measured, settings.max_tokens)
+    return {"reference": "jaxmtp.generate(speculative_k=0)", **compare(phases, reference, tok)}
+
+
 def run(settings: Settings, workdir: str) -> tuple[dict, dict]:
     tok = tokenizer()
     prompts, warm, sets = plan_prompts(settings, tok)
@@ -715,14 +750,7 @@ def run(settings: Settings, workdir: str) -> tuple[dict, dict]:
     finally:
         for server in servers:
             stop(server)
-    measured = [p for p in prompts if p not in warm]
-    if "plain" in settings.configs:
-        reference_name = "plain"
-        reference = {r.prompt: r.tokens for p in phases if p["config"] == "plain" for r in p["records"]}
-    else:
-        reference_name = "jaxmtp.generate(speculative_k=0)"
-        reference = generate_reference(measured, settings.max_tokens)
-    greedy = {"reference": reference_name, **compare(phases, reference, tok)}
+    greedy = greedy_outputs(settings, phases, [p for p in prompts if p not in warm], tok)
     figures = figures_of(settings, servers, phases, greedy, tok)
     raw = {"prompts": [[p.start, len(p.ids)] for p in prompts],
            "phases": [raw_phase(phase) for phase in phases]}
@@ -769,6 +797,10 @@ def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--requests", type=int, default=0,
                         help="requests per phase (default: 2 x the concurrency, at least 48; 16 at --rate)")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="above 0: every request samples at it, seeded by its prompt, and no outputs are compared "
+                             "(each setting draws its own tokens); jaxmtp's servers only")
+    parser.add_argument("--top-p", type=float, default=1.0, help="of the sampled requests")
     parser.add_argument("--repeats", type=int, default=2, help="phases per configuration and load")
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests per server before measuring")
     parser.add_argument("--prompt-lens", type=_ints, default=(32, 512), help="shortest,longest prompt in tokens")
@@ -795,13 +827,19 @@ def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
         value = getattr(args, name)
         if value is not None and value < (0 if name in ("requests", "warmup") else 1):
             parser.error(f"--{name.replace('_', '-')} {value}: out of range")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        parser.error(f"--temperature {args.temperature} --top-p {args.top_p}: expected temperature >= 0 and "
+                     "0 < top-p <= 1")
+    if args.temperature > 0 and "hf" in args.configs:
+        parser.error("--temperature: the hf config runs greedy requests only (its outputs are compared with jaxmtp's)")
     if len(args.prompt_lens) != 2:
         parser.error(f"--prompt-lens {args.prompt_lens}: expected two lengths, shortest,longest")
     settings = Settings(configs=args.configs, concurrency=args.concurrency, rate=args.rate, requests=args.requests,
                         max_tokens=args.max_tokens, repeats=args.repeats, warmup=args.warmup,
                         prompt_lens=args.prompt_lens, max_batch=args.max_batch or max(args.concurrency),
                         max_len=args.prompt_lens[1] + args.max_tokens + 16, seed=args.seed,
-                        start_together=args.start_together, replicas=args.replicas)
+                        start_together=args.start_together, replicas=args.replicas, temperature=args.temperature,
+                        top_p=args.top_p)
     if settings.max_batch % settings.replicas:
         parser.error(f"--replicas {settings.replicas}: does not divide --max-batch {settings.max_batch}")
     return settings, args

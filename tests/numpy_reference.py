@@ -1,5 +1,6 @@
 """numpy references written from the formulas, in float64: FP8 block quantization and block-scaled
-products (docs/fp8_and_kernels.md) and the routed experts' weighted sum of SwiGLU outputs."""
+products (docs/fp8_and_kernels.md), the routed experts' weighted sum of SwiGLU outputs, and the
+sampling distribution after temperature, top-k and top-p."""
 
 import ml_dtypes
 import numpy as np
@@ -51,3 +52,21 @@ def reference_experts(x, weights, experts, gate, up, down):
             g = gate[e] @ x[t]
             out[t] += w * (down[e] @ (g / (1 + np.exp(-g)) * (up[e] @ x[t])))
     return out
+
+
+def sampling_distribution(logits, temperature, top_k, top_p):
+    """One row's logits [V] -> its sampling distribution [V], by sorting: divided by the temperature
+    (in float32, as jaxmtp divides), the logits below the top_k-th largest dropped (top_k 0: none),
+    then the tokens kept in descending order while the mass ranked above each is below top_p, and
+    every token as probable as the last kept (ties at either edge stay)."""
+    z = (np.asarray(logits, np.float32) / np.float32(temperature)).astype(np.float64)
+    if top_k:
+        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1:
+        ranked = np.sort(p)[::-1]
+        before = np.cumsum(ranked) - ranked  # the mass of the tokens ranked above each
+        p = np.where(p >= ranked[before < top_p].min(), p, 0.0)
+        p /= p.sum()
+    return p

@@ -15,6 +15,7 @@ import torch
 import generation_models as gm
 import jaxmtp
 from long_tests import only_long
+from numpy_reference import sampling_distribution
 from jaxmtp.generation import prepare, unpack
 
 VOCAB = 8
@@ -29,22 +30,6 @@ SAMPLES = 12_288  # enough that sampling at temperature 1.25 against 1.0's distr
 NEW = 3
 
 
-def reference_transform(logits, temperature, top_k, top_p):
-    """[V] logits -> probabilities: /temperature; keep logits >= the k-th largest; keep the most
-    probable tokens until their cumulative probability reaches top_p (ties at the edge kept)."""
-    z = logits.astype(np.float64) / temperature
-    if top_k:
-        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1:
-        ranked = np.sort(p)[::-1]
-        last = np.searchsorted(np.cumsum(ranked), top_p)  # first index where the mass reaches top_p
-        p = np.where(p >= ranked[min(last, VOCAB - 1)], p, 0.0)
-        p /= p.sum()
-    return p
-
-
 def exact_distribution(model, temperature, top_k, top_p):
     """P(t1, t2, t3 | PROMPT) for all VOCAB^3 triples, from full forward passes."""
     pairs = np.array(list(itertools.product(range(VOCAB), repeat=2)))
@@ -52,7 +37,7 @@ def exact_distribution(model, temperature, top_k, top_p):
     logits, _ = model.forward(tokens)
     logits = np.asarray(logits, np.float64)
     n = len(PROMPT)
-    t = lambda row: reference_transform(row, temperature, top_k, top_p)  # noqa: E731
+    t = lambda row: sampling_distribution(row, temperature, top_k, top_p)  # noqa: E731
     probs = np.zeros((VOCAB,) * 3)
     p1 = t(logits[0, n - 1])
     for row, (a, b) in enumerate(pairs):

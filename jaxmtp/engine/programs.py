@@ -14,6 +14,7 @@ further.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import flax.struct
@@ -82,10 +83,15 @@ def empty_slot_params(slots: int, stops_shape: tuple[int, int]) -> SlotParams:
 
 
 def unbounded(slot_params: SlotParams, live) -> SlotParams:
-    """Calibration's settings: rows where live [B] is set have no token limit and no stop."""
+    """Calibration's settings: rows where live [B] is set have no token limit and no stop, and both
+    sampling filters on (top-k 1, top-p 0.5), so that the sampling programs are timed with the
+    filters running, which they skip where no row uses them (jaxmtp.sampling.probabilities)."""
     big = jnp.iinfo(jnp.int32).max // 2
+    sampling = slot_params.sampling
+    sampling = dataclasses.replace(sampling, top_k=jnp.where(live, 1, sampling.top_k),
+                                   top_p=jnp.where(live, 0.5, sampling.top_p).astype(sampling.top_p.dtype))
     return slot_params.replace(limits=jnp.where(live, big, slot_params.limits),
-                               stops=jnp.where(live[:, None, None], NEVER, slot_params.stops))
+                               stops=jnp.where(live[:, None, None], NEVER, slot_params.stops), sampling=sampling)
 
 
 def _index(axis: int, at):
