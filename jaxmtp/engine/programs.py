@@ -94,6 +94,14 @@ def unbounded(slot_params: SlotParams, live) -> SlotParams:
                                stops=jnp.where(live[:, None, None], NEVER, slot_params.stops), sampling=sampling)
 
 
+def live_sampling(sampling: SamplingParams, done, vocab: int) -> SamplingParams:
+    """A segment's per-row sampling values [B] with both filters off in the rows done before it
+    (done [B]): a free slot keeps its last request's settings, and a filter that only such rows
+    set would run for every row (jaxmtp.sampling.probabilities skips a filter no row uses)."""
+    return dataclasses.replace(sampling, top_k=jnp.where(done, vocab, sampling.top_k),
+                               top_p=jnp.where(done, 1.0, sampling.top_p).astype(sampling.top_p.dtype))
+
+
 def _index(axis: int, at):
     return (slice(None),) * axis + (at,)
 
@@ -264,6 +272,7 @@ def segment(static: Static, bucket: int, window: int, ks: tuple[int, ...], refil
     t = sub.tokens
     halted = take(0, halt)
     started_done = t.done | halted
+    inputs = inputs.replace(sampling=live_sampling(inputs.sampling, started_done, static.config.vocab_size))
     # Halted rows (free, or ended by the host) restart from position 0, so that the attention's
     # prefix (layout.prefix_attention: the shortest holding every row's position) follows the live rows.
     sub = sub.replace(tokens=t.replace(done=started_done, n=jnp.where(halted, 0, t.n)))

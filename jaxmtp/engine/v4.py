@@ -219,6 +219,7 @@ def segment(static: V4Static, mode: SamplingMode, bucket: int, window: int, ks: 
         sub = sub.replace(state=sub.state.replace(draft_probs=None))
     started_done = sub.done | take(0, halt)
     sub = sub.replace(done=started_done)
+    inputs = inputs.replace(sampling=programs.live_sampling(inputs.sampling, started_done, static.config.vocab_size))
     with jax.named_scope("segment"):
         for j in ks:
             def step(carry, j=j):
