@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
+
+from timing import alternating_processes
 
 SCHEMES = ("doubling", "current", "whole")
 
@@ -122,14 +122,7 @@ def main():
         return
     from jaxmtp import provenance
 
-    runs = {scheme: [] for scheme in args.schemes}
-    for repeat in range(args.repeats):
-        order = args.schemes[repeat % len(args.schemes):] + args.schemes[:repeat % len(args.schemes)]
-        for scheme in order:
-            out = subprocess.run([sys.executable, *sys.argv, "--scheme", scheme], check=True, capture_output=True,
-                                 text=True).stdout
-            runs[scheme].append(json.loads(out.strip().splitlines()[-1]))
-            print(f"repeat {repeat} {scheme}: done", flush=True)
+    runs = alternating_processes(args.schemes, args.repeats)
     medians = {}
     for scheme, results in runs.items():
         medians[scheme] = {kind: {key: statistics.median(s for r in results for s in r[kind][key])

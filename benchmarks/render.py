@@ -528,7 +528,8 @@ def serving_result(result: dict, name: str) -> str:
                else "started one after another in the order of the table")
     return (f"### {where}: {loads}, {f['max_tokens']} new {'sampled' if f.get('temperature') else 'greedy'} tokens, "
             f"{'/'.join(map(str, per_phase))} requests per phase: "
-            f"{', '.join(f['configs'])}\n\n{prompts_label(result, prompts)}; {f['max_tokens']} {_tokens_asked(f)} per request; "
+            f"{', '.join(f['configs'])}\n\n{prompts_label(result, prompts)}; "
+            f"{f['max_tokens']} {_tokens_asked(f)} per request; "
             f"requests per phase: {requests}; {f['repeats']} repeats of each load, the servers ({started}) taking turns. "
             f"Servers: {_servers(f['configs'])}.{peer} Output tokens/s: the median over the repeats; TTFT and ITL: "
             "over all their requests; tokens/chunk: tokens per streamed chunk; other cores: the most cores that "
@@ -811,8 +812,9 @@ def sampling_section() -> str:
             for shape, t in alone.items()]
     text = ("## Sampling filters (`benchmarks/sampling.py`)\n\n"
             "Top-k and top-p as `jaxmtp.sampling` finds their thresholds, by bisection, against a sort of the "
-            "vocabulary per row (`sort`, the definition as `tests/test_sampling.py` writes it). The transform alone (temperature, top-k, top-p with per-row "
-            "settings) at each logits shape, rows first and the vocabulary last, in ms per call (medians of "
+            "vocabulary per row (`sort`, the definition as `tests/test_sampling.py` writes it). The transform alone "
+            "(temperature, top-k, top-p with per-row settings) at each logits shape, rows first and the vocabulary "
+            "last, in ms per call (medians of "
             f"{st['calls']} alternating calls), and the largest difference of the two outputs:\n\n"
             + table(["logits", "bisection (ms)", "sort (ms)", "sort / bisection", "largest difference"], rows))
     if engine:

@@ -17,13 +17,14 @@ tests/test_sampling.py writes it in numpy), in two places:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
+
+from timing import alternating_processes
 
 SCHEMES = ("bisection", "sort")
 
@@ -45,11 +46,18 @@ def sorted_top_p(probs, top_p):
     return probs >= smallest
 
 
-def install(scheme: str):
-    """Makes jaxmtp.sampling use the scheme's filters (in this process)."""
+@contextlib.contextmanager
+def filters(scheme: str):
+    """jaxmtp.sampling with the scheme's filters while the block runs (in this process): a program
+    traced there keeps them."""
     import jaxmtp.sampling as sampling
+    kept = sampling._top_k_kept, sampling._top_p_kept
     if scheme == "sort":
         sampling._top_k_kept, sampling._top_p_kept = sorted_top_k, sorted_top_p
+    try:
+        yield
+    finally:
+        sampling._top_k_kept, sampling._top_p_kept = kept
 
 
 def transform(args) -> dict:
@@ -57,12 +65,9 @@ def transform(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    import jaxmtp.sampling as sampling
     from jaxmtp.sampling import SamplingMode, SamplingParams, probabilities
 
     mode = SamplingMode(greedy=False, top_k=True, top_p=True)
-    bisection_filters = sampling._top_k_kept, sampling._top_p_kept
-    filters = {"bisection": bisection_filters, "sort": (sorted_top_k, sorted_top_p)}
     rng = np.random.default_rng(0)
     out = {}
     for shape in args.shapes:
@@ -73,9 +78,8 @@ def transform(args) -> dict:
                                 jnp.asarray(rng.uniform(0.5, 0.99, rows), jnp.float32))
         programs = {}
         for scheme in SCHEMES:  # each compiled with its filters in place (they are read as it traces)
-            sampling._top_k_kept, sampling._top_p_kept = filters[scheme]
-            programs[scheme] = jax.jit(lambda x, p: probabilities(x, mode, p)).lower(logits, params).compile()
-        sampling._top_k_kept, sampling._top_p_kept = bisection_filters
+            with filters(scheme):
+                programs[scheme] = jax.jit(lambda x, p: probabilities(x, mode, p)).lower(logits, params).compile()
         results = {s: jax.block_until_ready(programs[s](logits, params)) for s in SCHEMES}
         times = {s: [] for s in SCHEMES}
         for _ in range(args.calls):
@@ -89,13 +93,13 @@ def transform(args) -> dict:
 
 
 def engine_costs(args) -> dict:
-    """In this process: the scheme installed, an engine of --slots slots calibrated; its costs."""
+    """In this process: with the scheme's filters, an engine of --slots slots calibrated; its costs."""
     import jaxmtp
     from jaxmtp.engine import Engine
 
-    install(args.scheme)
-    engine = Engine(jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True), slots=args.slots, max_len=args.max_len,
-                    speculative_k="auto", prefix_blocks=0).start()
+    with filters(args.scheme):  # the engine compiles and calibrates its programs as it starts
+        engine = Engine(jaxmtp.load(jaxmtp.DEMO_MODEL, quiet=True), slots=args.slots, max_len=args.max_len,
+                        speculative_k="auto", prefix_blocks=0).start()
     costs = {mode: {str(bucket): table.tolist() for bucket, table in engine.costs[mode].items()}
              for mode in engine.costs}
     result = {"chunk_seconds": engine.chunk_seconds, "ks": list(engine.ks), "costs": costs,
@@ -132,13 +136,7 @@ def main():
     for shape, r in alone.items():
         b, s = (statistics.median(r["seconds"][scheme]) for scheme in SCHEMES)
         print(f"  {shape:>12} {1e3 * b:9.3f} {1e3 * s:9.3f} {s / b:7.2f}x  {r['max_difference']:.1e}", flush=True)
-    engines = {scheme: [] for scheme in SCHEMES}
-    for repeat in range(0 if args.no_engine else args.repeats):
-        for scheme in SCHEMES[repeat % 2:] + SCHEMES[:repeat % 2]:
-            out = subprocess.run([sys.executable, *sys.argv, "--scheme", scheme], check=True, capture_output=True,
-                                 text=True).stdout
-            engines[scheme].append(json.loads(out.strip().splitlines()[-1]))
-            print(f"repeat {repeat} {scheme}: calibrated", flush=True)
+    engines = alternating_processes(SCHEMES, 0 if args.no_engine else args.repeats)
     medians = {}
     if not args.no_engine:
         first = engines[SCHEMES[0]][0]
